@@ -1,0 +1,71 @@
+"""Atomic file and folder writes: a crash or Ctrl-C never leaves a half-written file behind.
+
+Everything is written to a temporary name in the destination's own folder (so the final rename
+stays on one filesystem) and renamed into place only once it is complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+@contextlib.contextmanager
+def atomic_path(destination: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary file path; on success it replaces `destination` in one rename."""
+    destination = Path(destination)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{destination.name}.", suffix=".tmp", dir=destination.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        _fsync_file(tmp)
+        os.replace(tmp, destination)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def atomic_dir(destination: str | os.PathLike[str]) -> Iterator[Path]:
+    """Yield a temporary folder; on success it replaces `destination` (an old one is removed).
+
+    Between removing the old folder and renaming the new one there is a moment with neither;
+    the old folder is first renamed aside so that it is only deleted once the new one is in place.
+    """
+    destination = Path(destination)
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".tmp", dir=destination.parent))
+    try:
+        yield tmp
+        old = None
+        if destination.exists():
+            old = destination.with_name(f".{destination.name}.old-{os.getpid()}")
+            os.replace(destination, old)
+        os.replace(tmp, destination)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_text(destination: str | os.PathLike[str], text: str) -> None:
+    """Write a UTF-8 text file atomically."""
+    with atomic_path(destination) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def write_json(destination: str | os.PathLike[str], data: Any) -> None:
+    """Write pretty-printed JSON atomically."""
+    write_text(destination, json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())

@@ -1,0 +1,28 @@
+"""Shared fixtures: the built-in tiny SDXL is built once per test session into a temp cache."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A private SDXL_TRAINER_CACHE for the whole test session (never the user's own cache)."""
+    cache = tmp_path_factory.mktemp("model-cache")
+    os.environ["SDXL_TRAINER_CACHE"] = str(cache)
+    return cache
+
+
+@pytest.fixture(scope="session")
+def tiny_sdxl_dir(model_cache: Path) -> Path:
+    """The built-in tiny SDXL as a diffusers pipeline folder."""
+    from sdxl_trainer.tiny_model import tiny_sdxl_path
+
+    return tiny_sdxl_path(model_cache)
