@@ -15,6 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+# mkstemp/mkdtemp create private (0600/0700) entries; finished outputs get the usual permissions.
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
 
 @contextlib.contextmanager
 def atomic_path(destination: str | os.PathLike[str]) -> Iterator[Path]:
@@ -27,6 +31,7 @@ def atomic_path(destination: str | os.PathLike[str]) -> Iterator[Path]:
     try:
         yield tmp
         _fsync_file(tmp)
+        os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, destination)
     finally:
         tmp.unlink(missing_ok=True)
@@ -44,6 +49,7 @@ def atomic_dir(destination: str | os.PathLike[str]) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".tmp", dir=destination.parent))
     try:
         yield tmp
+        os.chmod(tmp, 0o777 & ~_UMASK)
         old = None
         if destination.exists():
             old = destination.with_name(f".{destination.name}.old-{os.getpid()}")

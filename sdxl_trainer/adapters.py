@@ -1,0 +1,128 @@
+"""DoRA / LoRA adapters through peft: which modules get them, attaching, and saving them in the
+diffusers/peft format that `pipe.load_lora_weights` loads exactly (FORMATS.md §4)."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .config import AdapterConfig
+
+if TYPE_CHECKING:
+    import torch
+
+ATTENTION_PROJECTIONS = re.compile(r".*attentions\.\d+\.transformer_blocks\.\d+\.attn[12]\.(to_q|to_k|to_v|to_out\.0)")
+TRANSFORMER_LINEARS = re.compile(r".*attentions\.\d+\.(proj_in|proj_out|transformer_blocks\.\d+\..+)")
+RESNET_AND_SAMPLERS = re.compile(
+    r".*(resnets\.\d+\.(conv1|conv2|conv_shortcut|time_emb_proj)|downsamplers\.0\.conv|upsamplers\.0\.conv)"
+)
+TEXT_ATTENTION = re.compile(r".*self_attn\.(q_proj|k_proj|v_proj|out_proj)")
+TEXT_MLP = re.compile(r".*mlp\.(fc1|fc2)")
+DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
+
+
+def unet_target_modules(unet: torch.nn.Module, targets: str | list[str]) -> list[str]:
+    """Names of the UNet's Linear/Conv2d modules selected by `adapter.targets`."""
+    import torch
+
+    chosen = []
+    for name, module in unet.named_modules():
+        if not isinstance(module, torch.nn.Linear | torch.nn.Conv2d):
+            continue
+        if isinstance(targets, list):
+            selected = any(re.fullmatch(pattern, name) for pattern in targets)
+        elif targets == "attn":
+            selected = bool(ATTENTION_PROJECTIONS.fullmatch(name))
+        else:
+            selected = bool(TRANSFORMER_LINEARS.fullmatch(name)) and isinstance(module, torch.nn.Linear)
+            if targets == "all":
+                selected = selected or bool(RESNET_AND_SAMPLERS.fullmatch(name))
+        if selected:
+            chosen.append(name)
+    return chosen
+
+
+def text_encoder_target_modules(text_encoder: torch.nn.Module, targets: str | list[str]) -> list[str]:
+    """Attention projections, plus the MLP for `attn-mlp`/`all` (the usual kohya TE target set)."""
+    import torch
+
+    with_mlp = targets != "attn"
+    return [
+        name
+        for name, module in text_encoder.named_modules()
+        if isinstance(module, torch.nn.Linear)
+        and (TEXT_ATTENTION.fullmatch(name) or (with_mlp and TEXT_MLP.fullmatch(name)))
+    ]
+
+
+def lora_config(adapter: AdapterConfig, module: torch.nn.Module, names: list[str]):
+    """A peft LoraConfig for exactly these modules, with conv rank/alpha where configured."""
+    import torch
+    from peft import LoraConfig
+
+    convs = [name for name in names if isinstance(module.get_submodule(name), torch.nn.Conv2d)]
+    rank_pattern = {re.escape(name): adapter.conv_rank for name in convs} if adapter.conv_rank else {}
+    alpha_pattern = {re.escape(name): adapter.conv_alpha for name in convs} if adapter.conv_alpha else {}
+    return LoraConfig(
+        r=adapter.rank,
+        lora_alpha=adapter.alpha,
+        lora_dropout=adapter.dropout,
+        use_dora=adapter.type == "dora",
+        init_lora_weights=True,
+        target_modules=names,
+        rank_pattern=rank_pattern,
+        alpha_pattern=alpha_pattern,
+    )
+
+
+def attach_adapter(module: torch.nn.Module, adapter: AdapterConfig, names: list[str]) -> None:
+    """Add a peft adapter to `module` (a diffusers UNet or a transformers CLIP encoder)."""
+    if not names:
+        raise ValueError("adapter.targets selects no module")
+    module.add_adapter(lora_config(adapter, module, names))
+
+
+def adapter_state_dict(module: torch.nn.Module, component: str) -> dict[str, torch.Tensor]:
+    """The adapter tensors of one component under the key names diffusers loads exactly.
+
+    Two verified pitfalls (FORMATS.md §4): CLIP-L keys must keep the `text_model.` prefix that
+    transformers >= 5.6 no longer puts in state dicts, and DoRA magnitudes load into the text
+    encoders only when spelled `lora_magnitude_vector.weight`.
+    """
+    from peft import get_peft_model_state_dict
+
+    tensors = {}
+    for key, tensor in get_peft_model_state_dict(module).items():
+        if component != "unet" and not key.startswith("text_model."):
+            key = "text_model." + key
+        if key.endswith("lora_magnitude_vector"):
+            key += ".weight"
+        tensors[key] = tensor.detach().float().cpu().contiguous()
+    return tensors
+
+
+def adapter_metadata(module: torch.nn.Module) -> dict[str, Any]:
+    """The peft LoraConfig as a dict: diffusers stores it so alpha survives the round trip."""
+    config = module.peft_config["default"].to_dict()
+    config["target_modules"] = sorted(config["target_modules"])
+    return config
+
+
+def save_diffusers_adapter(output_dir: str | os.PathLike[str], components: dict[str, torch.nn.Module]) -> Path:
+    """Write `pytorch_lora_weights.safetensors` (+ `lora_adapter_metadata`) atomically for the
+    components that carry an adapter; `components` maps unet/text_encoder/text_encoder_2 to modules."""
+    from diffusers import StableDiffusionXLPipeline
+
+    layers = {f"{name}_lora_layers": adapter_state_dict(module, name) for name, module in components.items()}
+    metadata = {f"{name}_lora_adapter_metadata": adapter_metadata(module) for name, module in components.items()}
+    destination = Path(output_dir) / DIFFUSERS_WEIGHT_NAME
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".lora-", dir=destination.parent) as tmp:
+        StableDiffusionXLPipeline.save_lora_weights(
+            tmp, weight_name=DIFFUSERS_WEIGHT_NAME, safe_serialization=True, **layers, **metadata
+        )
+        os.replace(Path(tmp) / DIFFUSERS_WEIGHT_NAME, destination)
+    return destination

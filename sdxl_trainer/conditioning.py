@@ -1,0 +1,40 @@
+"""SDXL text and size conditioning, computed exactly as the SDXL pipeline does at inference."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+def encode_prompts(
+    captions: list[str], tokenizers: list, text_encoders: list, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return (prompt_embeds, pooled_embeds) for a batch of captions.
+
+    prompt_embeds concatenates both encoders' penultimate hidden states along the channel axis
+    (768 + 1280 = 2048 for SDXL); pooled_embeds is the projected pooled output of encoder 2.
+    """
+    import torch
+
+    hidden_states = []
+    pooled = None
+    for tokenizer, text_encoder in zip(tokenizers, text_encoders, strict=True):
+        input_ids = tokenizer(
+            captions, padding="max_length", max_length=tokenizer.model_max_length,
+            truncation=True, return_tensors="pt",
+        ).input_ids.to(device)
+        output = text_encoder(input_ids, output_hidden_states=True)
+        hidden_states.append(output.hidden_states[-2])
+        pooled = output.text_embeds if hasattr(output, "text_embeds") else output.pooler_output
+    return torch.cat(hidden_states, dim=-1), pooled
+
+
+def add_time_ids(
+    original_sizes: torch.Tensor, crops_top_left: torch.Tensor, target_sizes: torch.Tensor
+) -> torch.Tensor:
+    """SDXL micro-conditioning: (orig_h, orig_w, crop_top, crop_left, target_h, target_w) per image."""
+    import torch
+
+    return torch.cat([original_sizes, crops_top_left, target_sizes], dim=1).float()

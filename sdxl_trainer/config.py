@@ -1,0 +1,506 @@
+"""The config schema: the single source of truth for every option of a run.
+
+Validation, defaults, `config.schema.json` and the README's option table all come from the
+pydantic models below (see `schema_docs.py`). CONFIG.md in the design documents is the contract;
+key names follow the original tool's README so existing configs load unchanged.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+BUCKET_KEY = re.compile(r"^(\d+)x(\d+)$")
+
+SAMPLER_NAMES = (
+    "euler", "euler_a", "heun", "lms", "dpm_2", "dpm_2_a", "dpmpp_2m", "dpmpp_2m_sde",
+    "dpmpp_2m_sde_heun", "dpmpp_sde", "ddim", "ddpm", "unipc", "deis", "pndm",
+)
+
+
+class ConfigError(Exception):
+    """A config that cannot be used; the message names the file and the dotted key."""
+
+
+class Section(BaseModel):
+    """Base of every config block: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+PositiveInt = Annotated[int, Field(ge=1)]
+Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+
+
+# --------------------------------------------------------------------------------------- model
+class ModelConfig(Section):
+    id: str = Field(
+        "stabilityai/stable-diffusion-xl-base-1.0",
+        description="Base model: hub id, local diffusers folder, single-file SDXL `.safetensors`, "
+        "or `builtin:tiny-sdxl` (a small random SDXL-architecture model built locally for the "
+        "quickstart, tests and benchmarks).",
+    )
+    config_dir: str | None = Field(
+        None,
+        description="Local diffusers folder with only configs, tokenizers and scheduler; used to "
+        "load a single-file checkpoint without hub access.",
+    )
+    vae: str | None = Field(None, description="Replacement VAE: folder, hub id or single file.")
+    use_ema: bool = Field(False, description="Keep an exponential moving average of the trained weights.")
+    ema_decay: float = Field(0.9999, gt=0.0, lt=1.0, description="EMA decay, in (0, 1).")
+    ema_device: Literal["cpu", "same"] = Field("cpu", description="Where EMA weights live.")
+    use_bf16: bool = Field(False, description='Legacy switch: same as `training.mixed_precision: "bf16"`.')
+    use_gradient_checkpointing: bool = Field(
+        True, description="Gradient checkpointing on the UNet (and trained text encoders)."
+    )
+    train_text_encoder_1: bool = Field(
+        True, description="Train CLIP-L (full weights in full mode, adapters in adapter mode)."
+    )
+    train_text_encoder_2: bool = Field(False, description="Train OpenCLIP-bigG, as above.")
+    use_torch_compile: bool = Field(False, description="`torch.compile` the UNet.")
+    torch_compile_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description='Keyword arguments for `torch.compile`, e.g. `{"mode": "max-autotune"}`.'
+    )
+    attention: Literal["auto", "sdpa", "flash", "xformers"] = Field(
+        "auto",
+        description="Attention backend. `auto`: FlashAttention when installed and supported, else "
+        "PyTorch SDPA. Naming `flash` or `xformers` makes a missing package an error.",
+    )
+    weights_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="Storage dtype of fully trained weights; `bf16` uses stochastic rounding in the "
+        "optimizer step.",
+    )
+
+
+# ------------------------------------------------------------------------------------- adapter
+class AdapterConfig(Section):
+    type: Literal["dora", "lora", "none"] = Field(
+        "dora", description='Adapter kind; `"none"` = full fine-tune of the selected components.'
+    )
+    rank: PositiveInt = Field(16, description="Adapter rank.")
+    alpha: float = Field(16.0, gt=0.0, description="Adapter alpha (scale = alpha / rank).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Adapter dropout.")
+    targets: Literal["attn", "attn-mlp", "all"] | list[str] = Field(
+        "attn-mlp",
+        description="UNet modules that get adapters: `attn` = to_q/to_k/to_v/to_out.0; `attn-mlp` = "
+        "every Linear in the transformer blocks incl. proj_in/proj_out; `all` adds the ResNet and "
+        "sampler convolutions; or a list of module-name patterns (regular expressions).",
+    )
+    conv_rank: PositiveInt | None = Field(None, description="Rank for convolution targets (default: rank).")
+    conv_alpha: float | None = Field(None, gt=0.0, description="Alpha for convolution targets (default: alpha).")
+
+    @field_validator("targets")
+    @classmethod
+    def _patterns_compile(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("the list of target patterns is empty")
+            for pattern in value:
+                try:
+                    re.compile(pattern)
+                except re.error as exc:
+                    raise ValueError(f"{pattern!r} is not a valid regular expression: {exc}") from None
+        return value
+
+
+# ----------------------------------------------------------------------------------------- run
+class RunConfig(Section):
+    name: str = Field(..., min_length=1, description="Name of the run (e.g. `new_beginning_v_0_0_4`).")
+    output_root: str = Field(".output", description="Base folder of run outputs.")
+    checkpoint_root: str | None = Field(
+        None, description="Base folder of single-file checkpoints (default `<output_root>/safetensors`)."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_a_file_name(cls, value: str) -> str:
+        if "/" in value or "\\" in value or value in {".", ".."}:
+            raise ValueError("must be a plain name (it becomes a folder and a file name), not a path")
+        return value
+
+
+# ------------------------------------------------------------------------------------ training
+class LRSchedulerConfig(Section):
+    type: Literal["constant", "linear_decay", "cosine_decay", "cosine_restarts"] = Field(
+        "constant", description="Shape of the LR factor after warmup."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup 0 → 1 over these steps.")
+    min_factor: float = Field(0.0, ge=0.0, le=1.0, description="Lowest factor the decays reach.")
+    cycle_steps: PositiveInt | None = Field(None, description="`cosine_restarts`: length of the first cycle.")
+    cycle_mult: float = Field(1.0, ge=1.0, description="`cosine_restarts`: each cycle is this much longer.")
+
+    @model_validator(mode="after")
+    def _restarts_need_cycle(self) -> LRSchedulerConfig:
+        if self.type == "cosine_restarts" and self.cycle_steps is None:
+            raise ValueError("cycle_steps is required when type is cosine_restarts")
+        return self
+
+
+class TensorBoardConfig(Section):
+    enabled: bool = Field(True, description="Write TensorBoard event files.")
+    base_dir: str = Field("./logs/tensorboard", description="Base folder of TensorBoard runs.")
+    log_dir: str | None = Field(None, description="Fixed log folder (default `{base_dir}/{run.name}`).")
+    log_grad_norm: bool = Field(True, description="Log the gradient norm.")
+    log_scaler: bool = Field(True, description="Log the AMP grad-scaler scale.")
+
+
+class TrainingConfig(Section):
+    output_dir: str = Field("", description="Run output folder (derived from `run` when empty).")
+    num_steps: PositiveInt | None = Field(None, description="Stop after this many optimizer steps.")
+    num_epochs: PositiveInt | None = Field(None, description="Stop after this many epochs.")
+    batch_size: PositiveInt = Field(1, description="Batch size when bucketing is off.")
+    grad_accum_steps: PositiveInt = Field(1, description="Micro-batches per optimizer step.")
+    lr_unet: float = Field(1e-4, gt=0.0, description="UNet learning rate.")
+    lr_text_encoder_1: float | None = Field(
+        None, gt=0.0, description="CLIP-L learning rate; required when it is trained."
+    )
+    lr_text_encoder_2: float | None = Field(
+        None, gt=0.0, description="OpenCLIP-bigG learning rate; required when it is trained."
+    )
+    mixed_precision: Literal["no", "bf16", "fp16"] = Field(
+        "no", description="Compute precision (fp16 is the known cause of NaN/black images with DoRA and on MPS)."
+    )
+    seed: int | None = Field(None, ge=0, description="Fixes all RNGs; `null` or `0` = a random seed, logged.")
+    noise_offset: float = Field(0.0, ge=0.0, description="Offset-noise strength (e.g. 0.1).")
+    min_sigma: float | None = Field(
+        None, gt=0.0, description="Clamp small sigmas in the loss weighting only (never the timesteps)."
+    )
+    min_sigma_warmup_steps: int = Field(0, ge=0, description="Steps before `min_sigma` applies.")
+    prediction_type: Literal["epsilon", "v_prediction"] | None = Field(
+        None, description="Training target; `null` = the scheduler's default."
+    )
+    zero_terminal_snr: bool = Field(False, description="Rescale betas to zero terminal SNR (for v-prediction).")
+    snr_gamma: float | None = Field(None, gt=0.0, description="Min-SNR loss weighting gamma (e.g. 5.0).")
+    max_grad_norm: float | None = Field(None, gt=0.0, description="Gradient clipping per optimizer step.")
+    detect_anomaly: bool = Field(False, description="Abort as soon as loss or gradients are NaN/Inf.")
+    nan_policy: Literal["abort", "skip"] = Field(
+        "abort", description="On a non-finite loss/gradient: abort with a report, or skip the step."
+    )
+    max_nan_skips: PositiveInt = Field(10, description="Consecutive skipped steps before aborting.")
+    lr_warmup_steps: int = Field(0, ge=0, description="Legacy linear warmup (used when `lr_scheduler` is absent).")
+    lr_scheduler: LRSchedulerConfig | None = Field(None, description="LR factor schedule.")
+    ema_update_every: PositiveInt = Field(10, description="EMA update interval in steps (after warmup).")
+    log_every: PositiveInt = Field(10, description="Logging interval in steps.")
+    checkpoint_every: PositiveInt = Field(500, description="Checkpoint interval in steps.")
+    checkpoints_total_limit: PositiveInt | None = Field(None, description="Keep only the newest N checkpoints.")
+    resume_from: str | None = Field(
+        None, description='Earlier output or checkpoint folder (or `"latest"`) to continue from.'
+    )
+    resume_state_path: str | None = Field(
+        None, description="Trainer state file (default `<resume_from>/trainer_state.pt`)."
+    )
+    state_path: str | None = Field(
+        None, description="Where this run writes its trainer state (default `<output_dir>/trainer_state.pt`)."
+    )
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig, description="TensorBoard logging.")
+
+
+# ---------------------------------------------------------------------------------------- data
+class BucketConfig(Section):
+    enabled: bool = Field(True, description="Aspect-ratio buckets; batches never mix buckets.")
+    resolutions: list[tuple[PositiveInt, PositiveInt]] | None = Field(
+        None,
+        description="Bucket resolutions `[[w, h], …]`; `null` = generated from `data.size` "
+        "(same area, both orientations, multiples of `divisible_by`).",
+    )
+    divisible_by: PositiveInt = Field(64, description="Bucket sides are multiples of this.")
+    batch_size: PositiveInt = Field(1, description="Batch size per bucket.")
+    drop_last: bool = Field(False, description="Drop each bucket's incomplete last batch.")
+    per_resolution_batch_sizes: dict[str, PositiveInt] = Field(
+        default_factory=dict, description='Batch size per bucket, e.g. `{"832x1216": 2}`.'
+    )
+
+    @field_validator("per_resolution_batch_sizes")
+    @classmethod
+    def _keys_are_resolutions(cls, value: dict[str, int]) -> dict[str, int]:
+        for key in value:
+            if not BUCKET_KEY.match(key):
+                raise ValueError(f'key {key!r} is not a resolution like "832x1216"')
+        return value
+
+    @model_validator(mode="after")
+    def _resolutions_divisible(self) -> BucketConfig:
+        for width, height in self.resolutions or []:
+            if width % self.divisible_by or height % self.divisible_by:
+                raise ValueError(
+                    f"resolution [{width}, {height}] is not a multiple of divisible_by={self.divisible_by}"
+                )
+        return self
+
+
+class LatentCacheConfig(Section):
+    enabled: bool = Field(False, description="Cache VAE latents on disk; training then never runs the VAE encoder.")
+    cache_dir: str = Field("./cache/latents", description="Cache folder.")
+    dtype: Literal["auto", "fp32", "fp16", "bf16"] = Field(
+        "auto", description="Storage dtype; `auto` follows the precision policy."
+    )
+    build_batch_size: PositiveInt = Field(2, description="Batch size while building missing latents.")
+
+
+class DataConfig(Section):
+    image_dir: str = Field("./data/images", description="Folder of images (PNG/JPG/WebP) with same-stem `.txt` captions.")
+    size: PositiveInt = Field(1024, description="Target size: bucket area is `size²`; without buckets the longest side.")
+    caption_dropout_prob: Probability = Field(0.0, description="Probability of dropping the whole caption.")
+    caption_shuffle_prob: Probability = Field(0.0, description="Probability of shuffling the caption's parts.")
+    caption_shuffle_separator: str = Field(",", min_length=1, description="Separator that splits a caption.")
+    caption_shuffle_min_tokens: int = Field(2, ge=0, description="Minimum number of parts before shuffling applies.")
+    keep_tokens: int = Field(0, ge=0, description="Leading parts never shuffled (trigger words).")
+    random_flip: bool = Field(False, description="Horizontal flip augmentation.")
+    num_workers: int = Field(2, ge=0, description="Data-loader worker processes.")
+    bucket: BucketConfig = Field(default_factory=BucketConfig, description="Aspect-ratio buckets.")
+    latent_cache: LatentCacheConfig = Field(default_factory=LatentCacheConfig, description="VAE latent cache.")
+
+
+# ----------------------------------------------------------------------------------- optimizer
+class OptimizerConfig(Section):
+    type: Literal["adamw8bit", "adamw", "adafactor"] = Field(
+        "adamw8bit", description="8-bit AdamW (bitsandbytes), AdamW, or Adafactor."
+    )
+    weight_decay: float = Field(0.01, ge=0.0, description="Weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas.")
+    eps: float = Field(1e-8, gt=0.0, description="Adam epsilon.")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, value: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= beta < 1.0 for beta in value):
+            raise ValueError("each beta must be in [0, 1)")
+        return value
+
+
+# -------------------------------------------------------------------------------------- export
+class ExportConfig(Section):
+    save_single_file: bool = Field(True, description="Also write a single-file SDXL checkpoint (ComfyUI/A1111).")
+    checkpoint_path: str = Field("", description="Where (derived from `run.name` when empty).")
+    converter_script: str = Field("./converttosdxl.py", description="The converter script (same CLI as diffusers').")
+    half_precision: bool = Field(True, description="Converter: write fp16.")
+    use_safetensors: bool = Field(True, description="Converter: write safetensors.")
+    extra_args: list[str] = Field(default_factory=list, description="Converter: extra arguments.")
+    adapter_formats: list[Literal["diffusers", "kohya"]] = Field(
+        default_factory=lambda: ["diffusers", "kohya"],
+        description="Adapter files: diffusers/peft (`pytorch_lora_weights.safetensors`) and kohya/ComfyUI.",
+    )
+    merge_adapter: bool = Field(True, description="Adapter runs: the single file holds the base with the adapter merged.")
+
+
+# ---------------------------------------------------------------------------------------- eval
+class LiveEvalConfig(Section):
+    enabled: bool = Field(False, description="Render eval prompts during training.")
+    every_n_steps: PositiveInt = Field(500, description="Live eval interval in steps.")
+    max_batches: PositiveInt | None = Field(None, description="Render only the first N prompts.")
+
+
+class FinalEvalConfig(Section):
+    enabled: bool = Field(False, description="Render eval prompts after the last step.")
+    max_batches: PositiveInt | None = Field(None, description="Render only the first N prompts.")
+
+
+class EvalConfig(Section):
+    backend: Literal["diffusers", "kdiffusion"] = Field("diffusers", description="Sampling backend.")
+    sampler_name: Literal[SAMPLER_NAMES] = Field("euler", description="Sampler, by its k-diffusion/ComfyUI name.")  # type: ignore[valid-type]
+    scheduler: str = Field(
+        "normal",
+        description="Sigma schedule (`normal`, `karras`, `exponential`, `beta`) or a diffusers scheduler class name.",
+    )
+    num_inference_steps: PositiveInt = Field(30, description="Sampling steps.")
+    cfg_scale: float = Field(7.0, ge=0.0, description="Classifier-free guidance scale.")
+    prompts_path: str | None = Field(None, description="JSON list of `{prompt, negative_prompt, seed, height, width}`.")
+    height: PositiveInt = Field(1024, description="Default height.")
+    width: PositiveInt = Field(1024, description="Default width.")
+    use_ema: bool = Field(False, description="Render with EMA weights swapped in.")
+    live: LiveEvalConfig = Field(default_factory=LiveEvalConfig, description="Evaluation during training.")
+    final: FinalEvalConfig = Field(default_factory=FinalEvalConfig, description="Evaluation after training.")
+
+
+# ---------------------------------------------------------------------------------------- root
+class Config(Section):
+    """A whole run. Only `run.name` and a stop condition are required."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Base model and what is trained.")
+    adapter: AdapterConfig = Field(default_factory=AdapterConfig, description="DoRA / LoRA / full fine-tune.")
+    run: RunConfig = Field(..., description="Run name and output roots.")
+    training: TrainingConfig = Field(default_factory=TrainingConfig, description="The training loop.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Images, captions, buckets, latent cache.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer.")
+    export: ExportConfig = Field(default_factory=ExportConfig, description="Files written after training.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Sample images during and after training.")
+
+    @model_validator(mode="after")
+    def _no_contradictions(self) -> Config:
+        training, model = self.training, self.model
+        if training.num_steps is None and training.num_epochs is None:
+            raise _KeyError(
+                "training.num_steps", "is missing: set training.num_steps or training.num_epochs (or both)"
+            )
+        if model.use_bf16 and training.mixed_precision == "fp16":
+            raise _KeyError(
+                "model.use_bf16", 'is true but training.mixed_precision is "fp16"; keep one of them'
+            )
+        for index in (1, 2):
+            if getattr(model, f"train_text_encoder_{index}") and getattr(training, f"lr_text_encoder_{index}") is None:
+                raise _KeyError(
+                    f"training.lr_text_encoder_{index}",
+                    f"must be set because model.train_text_encoder_{index} is true "
+                    f"(or set model.train_text_encoder_{index} to false)",
+                )
+        return self
+
+    # Derived values ------------------------------------------------------------------------
+    @property
+    def precision(self) -> str:
+        """The effective compute precision (`model.use_bf16` is a legacy alias)."""
+        return "bf16" if self.model.use_bf16 else self.training.mixed_precision
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.training.output_dir or Path(self.run.output_root) / self.run.name)
+
+    @property
+    def checkpoint_path(self) -> Path:
+        if self.export.checkpoint_path:
+            return Path(self.export.checkpoint_path)
+        root = self.run.checkpoint_root or Path(self.run.output_root) / "safetensors"
+        return Path(root) / f"{self.run.name}.safetensors"
+
+    @property
+    def state_path(self) -> Path:
+        return Path(self.training.state_path or self.output_dir / "trainer_state.pt")
+
+    @property
+    def tensorboard_dir(self) -> Path:
+        tensorboard = self.training.tensorboard
+        return Path(tensorboard.log_dir or Path(tensorboard.base_dir) / self.run.name)
+
+    def resolved(self) -> dict[str, Any]:
+        """The config as JSON data with every derived path filled in (for `--print-config`)."""
+        data = self.model_dump(mode="json")
+        data["training"]["output_dir"] = str(self.output_dir)
+        data["training"]["state_path"] = str(self.state_path)
+        data["training"]["tensorboard"]["log_dir"] = str(self.tensorboard_dir)
+        data["export"]["checkpoint_path"] = str(self.checkpoint_path)
+        data["run"]["checkpoint_root"] = str(self.checkpoint_path.parent)
+        data["training"]["mixed_precision"] = self.precision
+        return data
+
+
+class _KeyError(ValueError):
+    """A contradiction found by a validator, attributed to one dotted key."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key} {message}")
+        self.key = key
+        self.message = message
+
+
+# Options that the schema accepts and validates but whose behaviour is not built yet. A run that
+# asks for one of them stops before loading anything, rather than silently ignoring it.
+# dotted key -> (does this value need the unbuilt code?, what the README says about it)
+UNBUILT: dict[str, tuple[Any, str]] = {}
+
+
+def unbuilt_options(config: Config) -> list[str]:
+    """Dotted keys whose configured value asks for behaviour that is not implemented yet."""
+    found = []
+    for key, (needs_unbuilt, _) in UNBUILT.items():
+        value: Any = config
+        for part in key.split("."):
+            value = getattr(value, part) if value is not None else None
+        if needs_unbuilt(value):
+            found.append(key)
+    return found
+
+
+# ------------------------------------------------------------------------------------- loading
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Read, override and validate a config file; every problem is a ConfigError."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found (pass --config PATH)") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a JSON object")
+    for override in overrides or []:
+        apply_override(data, override)
+    return validate_config(data, source=str(path))
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Apply one `dotted.key=value` override in place; the value is JSON when it parses."""
+    key, sep, raw = override.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {override!r}: expected dotted.key=value")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = raw
+    parts = key.strip().split(".")
+    node = data
+    for depth, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            where = ".".join(parts[: depth + 1])
+            raise ConfigError(f"--set {key}: {where} is not a block of keys")
+        node = child
+    node[parts[-1]] = value
+
+
+def validate_config(data: dict[str, Any], source: str = "config") -> Config:
+    """Validate config data; errors name the dotted key, the value and what is allowed."""
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        lines = [f"{source}: {_describe(error)}" for error in exc.errors()]
+        raise ConfigError("\n".join(lines)) from None
+
+
+def _describe(error: Any) -> str:
+    loc = [str(part) for part in error["loc"]]
+    key = ".".join(loc) or "(top level)"
+    context = error.get("ctx") or {}
+    cause = context.get("error")
+    if isinstance(cause, _KeyError):
+        return f"{cause.key} {cause.message}"
+    if error["type"] == "extra_forbidden":
+        return f"unknown key {key}{_did_you_mean(loc)}"
+    if error["type"] == "missing":
+        return f"{key} is required"
+    message = error["msg"].removeprefix("Value error, ")
+    return f"{key} = {json.dumps(error.get('input'), default=str)}: {message}"
+
+
+def _did_you_mean(loc: list[str]) -> str:
+    """Suggest the nearest valid key among the siblings of an unknown one."""
+    model: type[BaseModel] | None = Config
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if model else None
+        model = _model_of(field.annotation) if field else None
+    if model is None:
+        return ""
+    match = difflib.get_close_matches(loc[-1], list(model.model_fields), n=1, cutoff=0.6)
+    return f"; did you mean {'.'.join([*loc[:-1], match[0]])}?" if match else ""
+
+
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The config block class inside an annotation such as `LRSchedulerConfig | None`."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()):
+        found = _model_of(arg)
+        if found:
+            return found
+    return None

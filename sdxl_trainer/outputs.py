@@ -1,0 +1,109 @@
+"""Everything a run writes: weights (adapter file or pipeline folder), periodic checkpoints,
+TensorBoard scalars and `run_summary.json`. Every write is atomic."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .adapters import save_diffusers_adapter
+from .atomic import atomic_dir, write_json
+from .config import Config, TensorBoardConfig
+
+if TYPE_CHECKING:
+    from diffusers import StableDiffusionXLPipeline
+
+    from .training_setup import Trainable
+
+CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+class NonFiniteWeightsError(RuntimeError):
+    """Trained weights hold NaN/Inf: they are never written."""
+
+
+def check_finite(trainable: Trainable) -> None:
+    import torch
+
+    bad = [name for name, param in trainable.named_parameters() if not torch.isfinite(param).all()]
+    if bad:
+        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        raise NonFiniteWeightsError(f"{len(bad)} trained tensor(s) hold NaN/Inf: {shown}")
+
+
+def save_weights(folder: Path, pipe: StableDiffusionXLPipeline, trainable: Trainable) -> None:
+    """Adapter runs: `pytorch_lora_weights.safetensors`; full runs: a diffusers pipeline folder."""
+    check_finite(trainable)
+    if trainable.is_adapter:
+        save_diffusers_adapter(folder, trainable.modules)
+    else:
+        save_pipeline(folder, pipe)
+
+
+def save_pipeline(folder: Path, pipe: StableDiffusionXLPipeline) -> None:
+    """`save_pretrained` into a temporary folder, then move each part into place; the folder
+    may already hold other outputs (checkpoints, eval images) that stay untouched."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".pipeline-", dir=folder) as tmp:
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        entries = sorted(Path(tmp).iterdir(), key=lambda p: p.name == "model_index.json")
+        for entry in entries:  # model_index.json last: the folder loads only once all parts are in
+            destination = folder / entry.name
+            if destination.is_dir():
+                old = Path(tmp) / f".old-{entry.name}"
+                os.replace(destination, old)
+            os.replace(entry, destination)
+
+
+def save_checkpoint(config: Config, pipe: StableDiffusionXLPipeline, trainable: Trainable, step: int) -> Path:
+    """Write `checkpoints/checkpoint-<step>/`, then delete the oldest beyond the limit."""
+    root = config.output_dir / "checkpoints"
+    destination = root / f"checkpoint-{step}"
+    with atomic_dir(destination) as tmp:
+        save_weights(tmp, pipe, trainable)
+    limit = config.training.checkpoints_total_limit
+    if limit:
+        for old in list_checkpoints(root)[:-limit]:
+            shutil.rmtree(old)
+    return destination
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoint folders, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := CHECKPOINT_NAME.match(p.name))]
+    return [path for _, path in sorted(found)]
+
+
+def save_final(config: Config, pipe: StableDiffusionXLPipeline, trainable: Trainable) -> None:
+    save_weights(config.output_dir, pipe, trainable)
+
+
+def write_summary(config: Config, summary: dict[str, Any]) -> None:
+    write_json(config.output_dir / "run_summary.json", summary)
+
+
+def open_tensorboard(config: Config):
+    """A TensorBoard writer for the run, or None when disabled; the config goes in as text."""
+    if not config.training.tensorboard.enabled:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(log_dir=str(config.tensorboard_dir))
+    writer.add_text("run/config", "```json\n" + json.dumps(config.resolved(), indent=2) + "\n```", 0)
+    return writer
+
+
+def log_scalars(writer, step: int, loss: float, learning_rates: list[float], group_names: list[str],
+                grad_norm: float, tensorboard: TensorBoardConfig) -> None:
+    writer.add_scalar("train/loss", loss, step)
+    for name, lr in zip(group_names, learning_rates, strict=True):
+        writer.add_scalar(f"lr/{name}", lr, step)
+    if tensorboard.log_grad_norm:
+        writer.add_scalar("train/grad_norm", grad_norm, step)

@@ -1,0 +1,85 @@
+"""What is trained: adapters (DoRA/LoRA) or full weights, per component, with their learning rates."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .adapters import attach_adapter, text_encoder_target_modules, unet_target_modules
+from .config import Config
+
+if TYPE_CHECKING:
+    import torch
+    from diffusers import StableDiffusionXLPipeline
+
+
+@dataclass
+class Trainable:
+    """The components being trained (unet, text_encoder, text_encoder_2) and their settings."""
+
+    modules: dict[str, torch.nn.Module]
+    learning_rates: dict[str, float]
+    adapter_type: str  # "dora", "lora" or "none"
+
+    @property
+    def is_adapter(self) -> bool:
+        return self.adapter_type != "none"
+
+    @property
+    def group_names(self) -> list[str]:
+        return list(self.modules)
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [
+            {"params": [p for p in module.parameters() if p.requires_grad], "lr": self.learning_rates[name]}
+            for name, module in self.modules.items()
+        ]
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]:
+        for group in self.param_groups():
+            yield from group["params"]
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        for name, module in self.modules.items():
+            for param_name, param in module.named_parameters():
+                if param.requires_grad:
+                    yield f"{name}.{param_name}", param
+
+    def describe(self) -> str:
+        parts = []
+        for name, module in self.modules.items():
+            count = sum(p.numel() for p in module.parameters() if p.requires_grad)
+            parts.append(f"{name} {count / 1e6:.2f}M parameters at lr {self.learning_rates[name]:g}")
+        return "trainable: " + "; ".join(parts)
+
+
+def prepare_trainable(pipe: StableDiffusionXLPipeline, config: Config) -> Trainable:
+    """Freeze everything, then attach adapters to (or unfreeze) the components the config trains."""
+    training, model = config.training, config.model
+    wanted = {"unet": training.lr_unet}
+    if model.train_text_encoder_1:
+        wanted["text_encoder"] = training.lr_text_encoder_1
+    if model.train_text_encoder_2:
+        wanted["text_encoder_2"] = training.lr_text_encoder_2
+
+    for name in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        getattr(pipe, name).requires_grad_(False).eval()
+
+    modules = {}
+    for name in wanted:
+        module = getattr(pipe, name)
+        if config.adapter.type == "none":
+            module.requires_grad_(True)
+        else:
+            targets = (unet_target_modules(module, config.adapter.targets) if name == "unet"
+                       else text_encoder_target_modules(module, config.adapter.targets))
+            attach_adapter(module, config.adapter, targets)
+        if model.use_gradient_checkpointing:
+            if name == "unet":
+                module.enable_gradient_checkpointing()
+            else:
+                module.gradient_checkpointing_enable()
+        module.train()
+        modules[name] = module
+    return Trainable(modules, wanted, config.adapter.type)

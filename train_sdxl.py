@@ -1,0 +1,252 @@
+"""Fine-tune Stable Diffusion XL from one JSON config.
+
+    python train_sdxl.py                        # reads ./config.json
+    python train_sdxl.py --config configs/quickstart.json --set training.num_steps=20
+
+The run goes: validate the config → plan the data → load SDXL → attach adapters (DoRA/LoRA) or
+unfreeze weights (full fine-tune) → train → save outputs (see README "Outputs").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import secrets
+import sys
+import time
+from pathlib import Path
+
+from sdxl_trainer.config import UNBUILT, Config, ConfigError, load_config, unbuilt_options
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="train_sdxl.py", description="Fine-tune SDXL (DoRA, LoRA or full) from a JSON config."
+    )
+    parser.add_argument("--config", default="config.json", help="config file (default: ./config.json)")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="override a config key, e.g. --set training.num_steps=20 (repeatable; JSON values)",
+    )
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    parser.add_argument("--dry-run", action="store_true", help="validate and print the plan; load no weights")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        config = load_config(args.config, args.set)
+        check_inputs(config)
+        if args.print_config:
+            print(json.dumps(config.resolved(), indent=2))
+            return EXIT_OK
+        import dataset
+
+        data_plan = dataset.plan_dataset(config.data, config.training.batch_size)
+        if not data_plan.scan.images:
+            raise ConfigError(f"data.image_dir = {config.data.image_dir!r}: no readable images found")
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    total_steps = count_steps(config, data_plan.batches_per_epoch)
+    print(describe_plan(config, data_plan, total_steps))
+    if args.dry_run:
+        return EXIT_OK
+    return train(config, data_plan, total_steps)
+
+
+def check_inputs(config: Config) -> None:
+    """Problems that need no model weights: unbuilt options, missing paths."""
+    from sdxl_trainer.models import resolve_source
+
+    unbuilt = unbuilt_options(config)
+    if unbuilt:
+        details = "; ".join(f"{key} ({UNBUILT[key][1]})" for key in unbuilt)
+        raise ConfigError(f"not implemented yet: {details}")
+    resolve_source(config.model.id)
+    if config.model.vae:
+        resolve_source(config.model.vae, key="model.vae")
+    if not Path(config.data.image_dir).is_dir():
+        raise ConfigError(f"data.image_dir = {config.data.image_dir!r}: no such folder")
+
+
+def count_steps(config: Config, batches_per_epoch: int) -> int:
+    """Optimizer steps of the run: `num_steps`, `num_epochs`, or whichever comes first."""
+    training = config.training
+    limits = []
+    if training.num_steps:
+        limits.append(training.num_steps)
+    if training.num_epochs:
+        limits.append(max(1, training.num_epochs * batches_per_epoch // training.grad_accum_steps))
+    return min(limits)
+
+
+def describe_plan(config: Config, data_plan, total_steps: int) -> str:
+    mode = "full fine-tune" if config.adapter.type == "none" else (
+        f"{config.adapter.type.upper()} rank {config.adapter.rank} alpha {config.adapter.alpha:g}"
+    )
+    trained = ["unet"] + [
+        name for name, on in (("text_encoder", config.model.train_text_encoder_1),
+                              ("text_encoder_2", config.model.train_text_encoder_2)) if on
+    ]
+    steps_per_epoch = data_plan.batches_per_epoch / config.training.grad_accum_steps
+    return "\n".join([
+        f"run {config.run.name}: {mode} of {', '.join(trained)} on {config.model.id}",
+        data_plan.report(),
+        f"steps: {total_steps} optimizer steps ({steps_per_epoch:g} per epoch, "
+        f"grad accumulation {config.training.grad_accum_steps})",
+        f"output: {config.output_dir}",
+    ])
+
+
+# -------------------------------------------------------------------------------- training
+def train(config: Config, data_plan, total_steps: int) -> int:
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from torch.utils.data import DataLoader
+    from tqdm.auto import tqdm
+
+    import dataset
+    from sdxl_trainer import outputs
+    from sdxl_trainer.diffusion import make_noise_scheduler
+    from sdxl_trainer.models import load_pipeline
+    from sdxl_trainer.optimizers import make_optimizer
+    from sdxl_trainer.training_setup import prepare_trainable
+
+    training = config.training
+    accelerator = Accelerator(gradient_accumulation_steps=training.grad_accum_steps)
+    seed = training.seed or secrets.randbelow(2**31 - 1) + 1
+    set_seed(seed)
+    print(f"seed: {seed}{'' if training.seed else ' (drawn at random; set training.seed to repeat)'}")
+
+    pipe = load_pipeline(config.model)
+    pipe.to(accelerator.device)
+    noise_scheduler = make_noise_scheduler(
+        pipe.scheduler.config, training.prediction_type, training.zero_terminal_snr
+    )
+    trainable = prepare_trainable(pipe, config)
+    optimizer = make_optimizer(config.optimizer, trainable.param_groups())
+    lr_scheduler = make_lr_scheduler(optimizer, training.lr_warmup_steps, total_steps)
+    modules = accelerator.prepare(*trainable.modules.values())
+    optimizer, lr_scheduler = accelerator.prepare(optimizer, lr_scheduler)
+    print(trainable.describe())
+
+    sampler = data_plan.sampler(seed)
+    loader = DataLoader(
+        dataset.ImageCaptionDataset(data_plan.scan.images, data_plan.targets, config.data, seed),
+        batch_sampler=sampler, collate_fn=dataset.collate, num_workers=config.data.num_workers,
+        persistent_workers=False,
+    )
+    writer = outputs.open_tensorboard(config) if accelerator.is_main_process else None
+    output_dir = config.output_dir
+
+    global_step, epoch, logged_losses = 0, 0, []
+    started = time.time()
+    progress = tqdm(total=total_steps, desc="training", disable=not accelerator.is_main_process)
+    while global_step < total_steps:
+        sampler.set_epoch(epoch)
+        for batch in loader:
+            with accelerator.accumulate(*modules):
+                loss = diffusion_loss(pipe, noise_scheduler, batch, accelerator.device, training.noise_offset)
+                if not torch.isfinite(loss):
+                    return abort_non_finite(loss, batch, global_step, config)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    max_norm = training.max_grad_norm or math.inf
+                    grad_norm = accelerator.clip_grad_norm_(trainable.parameters(), max_norm)
+                optimizer.step()
+                lr_scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            logged_losses.append(loss.detach())
+            if not accelerator.sync_gradients:
+                continue
+            global_step += 1
+            progress.update(1)
+            if global_step % training.log_every == 0 or global_step == total_steps:
+                mean_loss = torch.stack(logged_losses).mean().item()
+                logged_losses.clear()
+                progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr_scheduler.get_last_lr()[0]:.2e}")
+                if writer:
+                    outputs.log_scalars(writer, global_step, mean_loss, lr_scheduler.get_last_lr(),
+                                        trainable.group_names, float(grad_norm), training.tensorboard)
+            if global_step % training.checkpoint_every == 0 and global_step < total_steps:
+                outputs.save_checkpoint(config, pipe, trainable, global_step)
+            if global_step >= total_steps:
+                break
+        epoch += 1
+    progress.close()
+
+    if accelerator.is_main_process:
+        outputs.save_final(config, pipe, trainable)
+        outputs.write_summary(config, {
+            "status": "completed", "steps": global_step, "epochs_started": epoch,
+            "seconds": round(time.time() - started, 1), "seed": seed,
+            "images": len(data_plan.scan.images),
+            "skipped_files": [{"path": str(p), "reason": r} for p, r in data_plan.scan.skipped],
+        })
+        if writer:
+            writer.close()
+        print(f"done: {global_step} steps in {time.time() - started:.0f} s; outputs in {output_dir}")
+    return EXIT_OK
+
+
+def diffusion_loss(pipe, noise_scheduler, batch: dict, device, noise_offset: float = 0.0,
+                   noise=None, timesteps=None):
+    """The SDXL denoising loss of one batch (fp32 MSE between the UNet output and its target).
+
+    `noise` and `timesteps` can be fixed by the caller (tests measure learning that way).
+    """
+    import torch
+    import torch.nn.functional as F
+
+    from sdxl_trainer.conditioning import add_time_ids, encode_prompts
+    from sdxl_trainer.diffusion import sample_noise, sample_timesteps, training_target
+
+    vae = pipe.vae
+    with torch.no_grad():
+        pixels = batch["pixel_values"].to(device, dtype=vae.dtype)
+        # One scaling factor, read from the VAE's own config, for encoding here and decoding later.
+        latents = vae.encode(pixels).latent_dist.sample() * vae.config.scaling_factor
+    prompt_embeds, pooled_embeds = encode_prompts(
+        batch["captions"], [pipe.tokenizer, pipe.tokenizer_2], [pipe.text_encoder, pipe.text_encoder_2], device
+    )
+    time_ids = add_time_ids(batch["original_sizes"], batch["crops_top_left"], batch["target_sizes"]).to(device)
+    if noise is None:
+        noise = sample_noise(latents, noise_offset)
+    if timesteps is None:
+        timesteps = sample_timesteps(noise_scheduler, latents.shape[0], device)
+    noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
+    target = training_target(noise_scheduler, latents, noise, timesteps)
+    prediction = pipe.unet(
+        noisy_latents, timesteps, encoder_hidden_states=prompt_embeds,
+        added_cond_kwargs={"text_embeds": pooled_embeds, "time_ids": time_ids},
+    ).sample
+    return F.mse_loss(prediction.float(), target.float())
+
+
+def make_lr_scheduler(optimizer, warmup_steps: int, total_steps: int):
+    """Constant LR after a linear warmup (the original tool's `lr_warmup_steps`)."""
+    from diffusers.optimization import get_scheduler
+
+    return get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=warmup_steps,
+                         num_training_steps=total_steps)
+
+
+def abort_non_finite(loss, batch: dict, step: int, config: Config) -> int:
+    """Stop on a NaN/Inf loss with what is needed to find the cause; nothing is saved."""
+    print(
+        f"error: the loss became {loss.item()} at step {step + 1}; nothing was saved.\n"
+        f"  files in the batch: {', '.join(batch['paths'])}\n"
+        f"  precision: {config.precision}; see README 'Black images and NaN' for causes",
+        file=sys.stderr,
+    )
+    return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
