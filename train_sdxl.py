@@ -40,10 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         config = load_config(args.config, args.set)
-        check_inputs(config)
         if args.print_config:
             print(json.dumps(config.resolved(), indent=2))
             return EXIT_OK
+        check_inputs(config)
         import dataset
 
         data_plan = dataset.plan_dataset(config.data, config.training.batch_size)

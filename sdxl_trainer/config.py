@@ -244,8 +244,12 @@ class LatentCacheConfig(Section):
 
 
 class DataConfig(Section):
-    image_dir: str = Field("./data/images", description="Folder of images (PNG/JPG/WebP) with same-stem `.txt` captions.")
-    size: PositiveInt = Field(1024, description="Target size: bucket area is `size²`; without buckets the longest side.")
+    image_dir: str = Field(
+        "./data/images", description="Folder of images (PNG/JPG/WebP) with same-stem `.txt` captions."
+    )
+    size: PositiveInt = Field(
+        1024, description="Target size: bucket area is `size²`; without buckets the longest side."
+    )
     caption_dropout_prob: Probability = Field(0.0, description="Probability of dropping the whole caption.")
     caption_shuffle_prob: Probability = Field(0.0, description="Probability of shuffling the caption's parts.")
     caption_shuffle_separator: str = Field(",", min_length=1, description="Separator that splits a caption.")
@@ -286,7 +290,9 @@ class ExportConfig(Section):
         default_factory=lambda: ["diffusers", "kohya"],
         description="Adapter files: diffusers/peft (`pytorch_lora_weights.safetensors`) and kohya/ComfyUI.",
     )
-    merge_adapter: bool = Field(True, description="Adapter runs: the single file holds the base with the adapter merged.")
+    merge_adapter: bool = Field(
+        True, description="Adapter runs: the single file holds the base with the adapter merged."
+    )
 
 
 # ---------------------------------------------------------------------------------------- eval
@@ -322,6 +328,11 @@ class EvalConfig(Section):
 class Config(Section):
     """A whole run. Only `run.name` and a stop condition are required."""
 
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+    schema_path: str | None = Field(
+        None, alias="$schema", description="Path of `config.schema.json`, so editors validate the file."
+    )
     model: ModelConfig = Field(default_factory=ModelConfig, description="Base model and what is trained.")
     adapter: AdapterConfig = Field(default_factory=AdapterConfig, description="DoRA / LoRA / full fine-tune.")
     run: RunConfig = Field(..., description="Run name and output roots.")
@@ -379,7 +390,7 @@ class Config(Section):
 
     def resolved(self) -> dict[str, Any]:
         """The config as JSON data with every derived path filled in (for `--print-config`)."""
-        data = self.model_dump(mode="json")
+        data = self.model_dump(mode="json", by_alias=True, exclude_none=False)
         data["training"]["output_dir"] = str(self.output_dir)
         data["training"]["state_path"] = str(self.state_path)
         data["training"]["tensorboard"]["log_dir"] = str(self.tensorboard_dir)
@@ -401,7 +412,28 @@ class _KeyError(ValueError):
 # Options that the schema accepts and validates but whose behaviour is not built yet. A run that
 # asks for one of them stops before loading anything, rather than silently ignoring it.
 # dotted key -> (does this value need the unbuilt code?, what the README says about it)
-UNBUILT: dict[str, tuple[Any, str]] = {}
+UNBUILT: dict[str, tuple[Any, str]] = {
+    "model.use_ema": (bool, "EMA weights are planned"),
+    "model.use_bf16": (bool, "the bf16/fp16 precision policy is planned; use training.mixed_precision no"),
+    "model.use_torch_compile": (bool, "torch.compile is planned"),
+    "model.attention": (lambda v: v in ("flash", "xformers"), "explicit attention backends are planned"),
+    "model.weights_dtype": (lambda v: v != "fp32", "bf16 weight storage is planned"),
+    "training.mixed_precision": (
+        lambda v: v != "no", "the bf16/fp16 precision policy is planned; use training.mixed_precision no"
+    ),
+    "training.snr_gamma": (lambda v: v is not None, "min-SNR weighting is planned"),
+    "training.min_sigma": (lambda v: v is not None, "min_sigma loss weighting is planned"),
+    "training.nan_policy": (lambda v: v == "skip", 'nan_policy "skip" is planned; "abort" works'),
+    "training.lr_scheduler": (lambda v: v is not None, "the lr_scheduler block is planned; lr_warmup_steps works"),
+    "training.resume_from": (lambda v: v is not None, "resuming is planned"),
+    "training.resume_state_path": (lambda v: v is not None, "resuming is planned"),
+    "training.state_path": (lambda v: v is not None, "trainer state files are planned"),
+    "data.latent_cache.enabled": (bool, "the latent cache is planned"),
+    "export.save_single_file": (bool, "single-file export is planned; run converttosdxl.py on a full run"),
+    "export.adapter_formats": (lambda v: "kohya" in v, 'the kohya adapter format is planned; use ["diffusers"]'),
+    "eval.live.enabled": (bool, "evaluation images are planned"),
+    "eval.final.enabled": (bool, "evaluation images are planned"),
+}
 
 
 def unbuilt_options(config: Config) -> list[str]:

@@ -19,10 +19,12 @@ TINY_SDXL_VERSION = 1
 
 # Words the tiny tokenizer knows as whole tokens; anything else falls back to single characters.
 _TOKENIZER_WORDS = (
-    "a photo of the and with in on red green blue yellow orange purple white black gray circle "
-    "square triangle stripes gradient checkerboard dots ring background foreground small large "
-    "pattern shape colorful bright dark sky sunset portrait landscape painting style tok"
-).split()
+    "a", "photo", "of", "the", "and", "with", "in", "on", "red", "green", "blue", "yellow",
+    "orange", "purple", "white", "black", "gray", "circle", "square", "triangle", "stripes",
+    "gradient", "checkerboard", "dots", "ring", "background", "foreground", "small", "large",
+    "pattern", "shape", "colorful", "bright", "dark", "sky", "sunset", "portrait", "landscape",
+    "painting", "style", "tok",
+)
 
 
 def default_cache_dir() -> Path:
@@ -61,14 +63,14 @@ def _tiny_clip_vocab() -> tuple[dict[str, int], list[tuple[str, str]]]:
     tokens = byte_chars + [c + "</w>" for c in byte_chars]
     merges: list[tuple[str, str]] = []
     for word in _TOKENIZER_WORDS:
-        parts = list(word[:-1]) + [word[-1] + "</w>"]
+        parts = [*list(word[:-1]), word[-1] + "</w>"]
         while len(parts) > 1:
             merged = parts[0] + parts[1]
             merge = (parts[0], parts[1])
             if merge not in merges:
                 merges.append(merge)
                 tokens.append(merged)
-            parts = [merged] + parts[2:]
+            parts = [merged, *parts[2:]]
     tokens += ["<|startoftext|>", "<|endoftext|>"]
     vocab: dict[str, int] = {}
     for token in tokens:

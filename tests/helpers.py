@@ -1,0 +1,49 @@
+"""Small builders shared by the tests (configs for the tiny model, running the CLI)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA_DIR = ROOT / "data" / "images"
+
+
+def tiny_config(tmp_path: Path, **sections: dict[str, Any]) -> dict[str, Any]:
+    """A small, fast config for the built-in tiny model writing under tmp_path."""
+    config: dict[str, Any] = {
+        "model": {"id": "builtin:tiny-sdxl", "train_text_encoder_1": True, "use_gradient_checkpointing": False},
+        "adapter": {"type": "dora", "rank": 4, "alpha": 4},
+        "run": {"name": "test_run", "output_root": str(tmp_path / "out")},
+        "training": {
+            "num_steps": 4, "lr_unet": 1e-3, "lr_text_encoder_1": 1e-3, "seed": 7, "log_every": 2,
+            "tensorboard": {"enabled": True, "base_dir": str(tmp_path / "tb")},
+        },
+        "data": {
+            "image_dir": str(DATA_DIR), "size": 64, "num_workers": 0,
+            "bucket": {"resolutions": [[64, 64], [96, 64], [64, 96]], "divisible_by": 32, "batch_size": 2},
+        },
+        "optimizer": {"type": "adamw"},
+        "export": {"save_single_file": False, "adapter_formats": ["diffusers"]},
+    }
+    for section, values in sections.items():
+        config.setdefault(section, {}).update(values)
+    return config
+
+
+def write_config(path: Path, config: dict[str, Any]) -> Path:
+    path.write_text(json.dumps(config, indent=2), encoding="utf-8")
+    return path
+
+
+def run_cli(script: str, *args: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run a top-level script the way a user does, in a fresh interpreter."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, str(ROOT / script), *args], cwd=cwd or ROOT, env=env,
+        capture_output=True, text=True, timeout=timeout,
+    )

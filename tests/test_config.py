@@ -1,0 +1,176 @@
+"""The config contract: errors name the key and exit 2 with nothing written; overrides; schema."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sdxl_trainer.config import ConfigError, apply_override, load_config, validate_config
+from sdxl_trainer.schema_docs import stale_files
+from tests.helpers import ROOT, run_cli, tiny_config, write_config
+
+# Every key the original tool's README (seed 004) names, with the values it shows.
+SEED_README_CONFIG = {
+    "model": {
+        "id": "stabilityai/stable-diffusion-xl-base-1.0", "use_ema": True, "ema_decay": 0.9999,
+        "use_bf16": True, "use_gradient_checkpointing": True, "train_text_encoder_1": True,
+        "train_text_encoder_2": False, "use_torch_compile": False,
+        "torch_compile_kwargs": {"mode": "max-autotune"},
+    },
+    "run": {"name": "new_beginning_v_0_0_4", "output_root": ".output", "checkpoint_root": None},
+    "training": {
+        "output_dir": "", "num_steps": 2000, "num_epochs": None, "lr_unet": 1e-5,
+        "lr_text_encoder_1": 5e-6, "lr_text_encoder_2": None, "seed": 0, "grad_accum_steps": 4,
+        "batch_size": 1, "noise_offset": 0.1, "min_sigma": 0.4, "min_sigma_warmup_steps": 500,
+        "prediction_type": "v_prediction", "snr_gamma": 5.0, "max_grad_norm": 1.0,
+        "detect_anomaly": True, "lr_warmup_steps": 200,
+        "lr_scheduler": {"type": "cosine_restarts", "warmup_steps": 200, "min_factor": 0.3,
+                         "cycle_steps": 400, "cycle_mult": 1.0},
+        "ema_update_every": 10, "resume_from": None, "resume_state_path": None, "state_path": None,
+        "tensorboard": {"enabled": True, "base_dir": "./logs/tensorboard", "log_grad_norm": True,
+                        "log_scaler": True, "log_dir": ""},
+    },
+    "data": {
+        "image_dir": "./data/images", "caption_dropout_prob": 0.1, "caption_shuffle_prob": 0.2,
+        "caption_shuffle_separator": ",", "caption_shuffle_min_tokens": 3,
+        "bucket": {"enabled": True, "resolutions": [[1024, 1024], [896, 1152], [1152, 896]],
+                   "divisible_by": 64, "batch_size": 2, "drop_last": True,
+                   "per_resolution_batch_sizes": {"832x1216": 2, "1216x832": 2}},
+        "latent_cache": {"enabled": True, "cache_dir": "./cache/latents", "dtype": "auto", "build_batch_size": 2},
+    },
+    "optimizer": {"weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-8},
+    "export": {"save_single_file": True, "checkpoint_path": "", "converter_script": "./converttosdxl.py",
+               "half_precision": True, "use_safetensors": True, "extra_args": []},
+    "eval": {
+        "backend": "diffusers", "sampler_name": "dpmpp_2m_sde_heun", "scheduler": "beta",
+        "num_inference_steps": 30, "cfg_scale": 7.0, "prompts_path": "data/eval_prompts.example.json",
+        "height": 1024, "width": 1024, "use_ema": True,
+        "live": {"enabled": True, "every_n_steps": 250, "max_batches": 2},
+        "final": {"enabled": True, "max_batches": 4},
+    },
+}
+
+
+def test_seed_readme_config_loads_unchanged(tmp_path: Path) -> None:
+    config = load_config(write_config(tmp_path / "config.json", SEED_README_CONFIG))
+    assert config.run.name == "new_beginning_v_0_0_4"
+    assert config.precision == "bf16"  # model.use_bf16 is the legacy alias
+    assert config.data.bucket.per_resolution_batch_sizes == {"832x1216": 2, "1216x832": 2}
+    assert config.training.lr_scheduler.cycle_steps == 400
+    # Derived paths follow the seed README: {output_root}/{name}, {checkpoint_root}/{name}.safetensors
+    assert config.output_dir == Path(".output/new_beginning_v_0_0_4")
+    assert config.checkpoint_path == Path(".output/safetensors/new_beginning_v_0_0_4.safetensors")
+    assert config.state_path == Path(".output/new_beginning_v_0_0_4/trainer_state.pt")
+    assert config.tensorboard_dir == Path("logs/tensorboard/new_beginning_v_0_0_4")
+
+
+def test_shipped_configs_are_valid() -> None:
+    for path in [ROOT / "config.json", *sorted((ROOT / "configs").glob("*.json"))]:
+        config = load_config(path)
+        assert config.run.name, path
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (("training", "snr_gama", 5.0), "unknown key training.snr_gama; did you mean training.snr_gamma?"),
+        (("training", "num_steps", "many"), "training.num_steps = \"many\""),
+        (("adapter", "rank", 0), "adapter.rank = 0: Input should be greater than or equal to 1"),
+        (("training", "num_steps", None), "training.num_steps is missing"),
+        (("model", "use_bf16", True), "model.use_bf16 is true but training.mixed_precision is \"fp16\""),
+    ],
+)
+def test_bad_config_exits_2_with_one_line_and_writes_nothing(tmp_path: Path, change, expected) -> None:
+    section, key, value = change
+    config = tiny_config(tmp_path)
+    config[section][key] = value
+    if key == "use_bf16":
+        config["training"]["mixed_precision"] = "fp16"
+    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "c.json", config)))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert expected in lines[0]
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "tb").exists()
+
+
+def test_invalid_json_names_file_and_line(tmp_path: Path) -> None:
+    path = tmp_path / "broken.json"
+    path.write_text('{"run": {"name": "x"},\n "training": {num_steps: 3}}', encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"broken.json: invalid JSON at line 2"):
+        load_config(path)
+
+
+def test_text_encoder_trained_without_its_rate_is_refused(tmp_path: Path) -> None:
+    config = tiny_config(tmp_path)
+    config["model"]["train_text_encoder_2"] = True
+    with pytest.raises(ConfigError, match=r"training.lr_text_encoder_2 must be set"):
+        validate_config(config)
+
+
+def test_set_overrides_parse_json_and_create_nested_keys(tmp_path: Path) -> None:
+    path = write_config(tmp_path / "c.json", tiny_config(tmp_path))
+    config = load_config(path, ["training.num_steps=20", "data.bucket.enabled=false",
+                                "run.name=other", "training.lr_scheduler.type=linear_decay"])
+    assert config.training.num_steps == 20
+    assert config.data.bucket.enabled is False
+    assert config.run.name == "other"
+    assert config.training.lr_scheduler.type == "linear_decay"
+    with pytest.raises(ConfigError, match=r"unknown key training.nmu_steps; did you mean training.num_steps"):
+        load_config(path, ["training.nmu_steps=3"])
+    with pytest.raises(ConfigError, match=r"expected dotted\.key=value"):
+        apply_override({}, "training.num_steps")
+
+
+def test_print_config_shows_derived_paths(tmp_path: Path) -> None:
+    config = tiny_config(tmp_path)
+    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "c.json", config)),
+                     "--print-config", "--set", "model.use_bf16=true")
+    assert result.returncode == 0, result.stderr
+    resolved = json.loads(result.stdout)
+    assert resolved["training"]["output_dir"] == str(tmp_path / "out" / "test_run")
+    assert resolved["export"]["checkpoint_path"] == str(tmp_path / "out" / "safetensors" / "test_run.safetensors")
+    assert resolved["training"]["tensorboard"]["log_dir"] == str(tmp_path / "tb" / "test_run")
+    assert resolved["training"]["mixed_precision"] == "bf16"
+
+
+def test_unbuilt_option_is_refused_not_ignored(tmp_path: Path) -> None:
+    config = tiny_config(tmp_path, training={"snr_gamma": 5.0})
+    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "c.json", config)))
+    assert result.returncode == 2
+    assert "not implemented yet: training.snr_gamma" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_help_defers_heavy_imports() -> None:
+    """`--help` must answer at once: parsing arguments may not import torch or diffusers."""
+    import subprocess
+    import sys
+
+    code = (
+        "import runpy, sys; sys.argv = ['train_sdxl.py', '--help']\n"
+        "try:\n    runpy.run_path('train_sdxl.py', run_name='__main__')\n"
+        "except SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('torch', 'diffusers', 'transformers', 'peft') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert "usage: train_sdxl.py" in result.stdout
+    assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_generated_schema_and_option_table_are_current() -> None:
+    assert stale_files() == [], "run: python -m sdxl_trainer.schema_docs"
+
+
+def test_schema_validates_the_shipped_config() -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((ROOT / "config.schema.json").read_text(encoding="utf-8"))
+    shipped = json.loads((ROOT / "config.json").read_text(encoding="utf-8"))
+    jsonschema.validate(shipped, schema)
+    shipped["training"]["snr_gama"] = 5
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(shipped, schema)
