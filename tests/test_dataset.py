@@ -1,0 +1,114 @@
+"""Images, captions and buckets: sizes, crops and batches match the images."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+import dataset
+from sdxl_trainer.config import DataConfig
+
+
+def make_images(folder: Path, sizes: list[tuple[int, int]]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for index, (width, height) in enumerate(sizes):
+        Image.new("RGB", (width, height), (index * 20, 100, 200)).save(folder / f"img_{index:02d}.png")
+        (folder / f"img_{index:02d}.txt").write_text(f"tok, image {index}, red, blue", encoding="utf-8")
+
+
+def data_config(folder: Path, **bucket) -> DataConfig:
+    return DataConfig(
+        image_dir=str(folder), size=64,
+        bucket={"resolutions": [[64, 64], [96, 64], [64, 96]], "divisible_by": 32, **bucket},
+    )
+
+
+def test_images_go_to_the_bucket_nearest_their_aspect_ratio(tmp_path: Path) -> None:
+    make_images(tmp_path, [(300, 200), (200, 300), (250, 250), (500, 200), (210, 200)])
+    plan = dataset.plan_dataset(data_config(tmp_path), batch_size=1)
+    assert plan.targets == [(96, 64), (64, 96), (64, 64), (96, 64), (64, 64)]
+
+
+def test_generated_buckets_keep_the_area_in_both_orientations() -> None:
+    resolutions = dataset.bucket_resolutions(DataConfig(size=1024))
+    assert (1024, 1024) in resolutions and (832, 1216) in resolutions and (1216, 832) in resolutions
+    assert all(w % 64 == 0 and h % 64 == 0 and w * h <= 1024 * 1024 for w, h in resolutions)
+    assert all((h, w) in resolutions for w, h in resolutions)
+
+
+def test_sample_reports_sizes_and_crop_for_sdxl_conditioning(tmp_path: Path) -> None:
+    make_images(tmp_path, [(300, 200)])
+    plan = dataset.plan_dataset(data_config(tmp_path), batch_size=1)
+    sample = dataset.ImageCaptionDataset(plan.scan.images, plan.targets, data_config(tmp_path), 0)[(0, 0)]
+    assert sample["pixel_values"].shape == (3, 64, 96)
+    assert str(sample["pixel_values"].dtype) == "torch.float16"
+    assert sample["original_size"].tolist() == [200, 300]  # (height, width)
+    assert sample["target_size"].tolist() == [64, 96]
+    # 300x200 scaled to cover 96x64 is exactly 96x64: nothing to crop.
+    assert sample["crop_top_left"].tolist() == [0, 0]
+    assert float(sample["pixel_values"].min()) >= -1.0 and float(sample["pixel_values"].max()) <= 1.0
+
+
+def test_center_crop_and_flip_coordinates() -> None:
+    image = Image.new("RGB", (200, 100))
+    cropped, top, left = dataset.resize_and_crop(image, 64, 64)
+    assert cropped.size == (64, 64) and (top, left) == (0, 32)  # resized to 128x64, 64 cut off
+    two_colors = Image.new("RGB", (201, 100), (255, 0, 0))
+    two_colors.paste((0, 0, 255), (100, 0, 201, 100))  # left half red, right half blue
+    plain, _, plain_left = dataset.resize_and_crop(two_colors, 64, 64)
+    flipped, top, left = dataset.resize_and_crop(two_colors, 64, 64, flip=True)
+    # Resized to 129x64; the crop starts at 32 from the left, i.e. at 33 measured from the right.
+    assert (plain_left, top, left) == (32, 0, 33)
+    assert plain.getpixel((0, 32)) == (255, 0, 0) and flipped.getpixel((0, 32)) == (0, 0, 255)
+
+
+def test_batches_never_mix_buckets_and_respect_sizes(tmp_path: Path) -> None:
+    make_images(tmp_path, [(300, 200)] * 5 + [(200, 300)] * 4 + [(250, 250)] * 3)
+    config = data_config(tmp_path, batch_size=2, drop_last=True, per_resolution_batch_sizes={"64x96": 4})
+    plan = dataset.plan_dataset(config, batch_size=1)
+    sampler = plan.sampler(seed=3)
+    batches = list(sampler)
+    for batch in batches:
+        assert len({plan.targets[index] for index, _ in batch}) == 1
+    sizes = sorted((plan.targets[b[0][0]], len(b)) for b in batches)
+    assert sizes == [((64, 64), 2), ((64, 96), 4), ((96, 64), 2), ((96, 64), 2)]  # incomplete batches dropped
+    assert [row[4] for row in plan.bucket_rows()] == [1, 0, 1]  # images dropped per bucket
+    assert batches == list(plan.sampler(seed=3)), "same seed and epoch must give the same order"
+    sampler.set_epoch(1)
+    assert list(sampler) != batches
+
+
+def test_caption_augmentation_keeps_trigger_words() -> None:
+    data = DataConfig(caption_shuffle_prob=1.0, keep_tokens=1, caption_shuffle_min_tokens=2)
+    caption = "tok, one, two, three, four, five"
+    shuffled = {dataset.augment_caption(caption, data, random.Random(seed)) for seed in range(20)}
+    assert len(shuffled) > 1
+    for text in shuffled:
+        parts = text.split(", ")
+        assert parts[0] == "tok" and sorted(parts) == sorted(caption.split(", "))
+    dropped = DataConfig(caption_dropout_prob=1.0)
+    assert dataset.augment_caption(caption, dropped, random.Random(0)) == ""
+
+
+def test_unreadable_images_are_skipped_with_a_reason(tmp_path: Path) -> None:
+    make_images(tmp_path, [(100, 100)])
+    (tmp_path / "broken.png").write_bytes(b"not an image")
+    (tmp_path / "empty.jpg").write_bytes(b"")
+    report = dataset.scan_images(tmp_path)
+    assert [r.path.name for r in report.images] == ["img_00.png"]
+    assert sorted(path.name for path, _ in report.skipped) == ["broken.png", "empty.jpg"]
+    assert all("cannot read image" in reason for _, reason in report.skipped)
+
+
+@pytest.mark.parametrize("orientation", [6, 8])
+def test_exif_rotation_swaps_the_reported_size(tmp_path: Path, orientation: int) -> None:
+    image = Image.new("RGB", (300, 200))
+    exif = image.getexif()
+    exif[0x0112] = orientation
+    image.save(tmp_path / "rotated.jpg", exif=exif)
+    record = dataset.scan_images(tmp_path).images[0]
+    assert (record.width, record.height) == (200, 300)
+    assert dataset.load_rgb(record.path).size == (200, 300)
