@@ -114,34 +114,17 @@ def build_tiny_sdxl_pipeline():
         StableDiffusionXLPipeline,
         UNet2DConditionModel,
     )
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
     tokenizer, tokenizer_2 = build_tiny_tokenizers()
-    vocab_size = len(tokenizer)
     # The two encoders have different widths on purpose (as CLIP-L and bigG do): a loader that
     # mixes them up fails loudly instead of passing by accident.
-    te1_hidden, te2_hidden, te2_projection = 32, 48, 48
+    te1_hidden, te2_hidden = 32, 48
 
     torch.manual_seed(0)
-    text_encoder = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=vocab_size, hidden_size=te1_hidden, intermediate_size=64,
-            num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=77,
-            hidden_act="quick_gelu", projection_dim=te1_hidden,
-            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    )
+    text_encoder = CLIPTextModel(_clip_config(tokenizer, te1_hidden, "quick_gelu"))
     torch.manual_seed(1)
-    text_encoder_2 = CLIPTextModelWithProjection(
-        CLIPTextConfig(
-            vocab_size=vocab_size, hidden_size=te2_hidden, intermediate_size=96,
-            num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=77,
-            hidden_act="gelu", projection_dim=te2_projection,
-            bos_token_id=tokenizer_2.bos_token_id, eos_token_id=tokenizer_2.eos_token_id,
-            pad_token_id=tokenizer_2.pad_token_id,
-        )
-    )
+    text_encoder_2 = CLIPTextModelWithProjection(_clip_config(tokenizer_2, te2_hidden, "gelu"))
     torch.manual_seed(2)
     addition_time_embed_dim = 8
     unet = UNet2DConditionModel(
@@ -159,7 +142,7 @@ def build_tiny_sdxl_pipeline():
         use_linear_projection=True,
         addition_embed_type="text_time",
         addition_time_embed_dim=addition_time_embed_dim,
-        projection_class_embeddings_input_dim=6 * addition_time_embed_dim + te2_projection,
+        projection_class_embeddings_input_dim=6 * addition_time_embed_dim + te2_hidden,
     )
     torch.manual_seed(3)
     vae = AutoencoderKL(
@@ -185,4 +168,16 @@ def build_tiny_sdxl_pipeline():
         vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2,
         tokenizer=tokenizer, tokenizer_2=tokenizer_2, unet=unet, scheduler=scheduler,
         force_zeros_for_empty_prompt=True,
+    )
+
+
+def _clip_config(tokenizer, hidden_size: int, activation: str):
+    """A 3-layer CLIP text encoder config whose projection keeps the hidden width."""
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=3, num_attention_heads=4, max_position_embeddings=77, hidden_act=activation,
+        projection_dim=hidden_size, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
