@@ -8,10 +8,14 @@ SDXL's size conditioning. Batches only ever hold images of one target size.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import math
+import os
 import random
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,13 +23,16 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 from torch.utils.data import Dataset, Sampler
+from tqdm.auto import tqdm
 
 from sdxl_trainer.config import DataConfig
+from sdxl_trainer.latent_cache import LatentCache, LatentKey, sample_latents
 
 IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp"}
 # EXIF orientations 5-8 turn the image by 90 degrees: width and height swap.
 _ROTATED_ORIENTATIONS = {5, 6, 7, 8}
 _EXIF_ORIENTATION = 0x0112
+_SIXTEEN_BIT_MODES = {"I;16", "I;16L", "I;16B", "I;16N", "I"}
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,7 @@ class ImageRecord:
     caption: str
     width: int
     height: int
+    sha256: str  # of the file's bytes: the latent cache is keyed by content, not by name
 
 
 @dataclass
@@ -45,25 +53,59 @@ class ScanReport:
     missing_captions: list[Path] = field(default_factory=list)
 
 
-def scan_images(image_dir: str | Path) -> ScanReport:
-    """Find images and their same-stem `.txt` captions; unreadable files are skipped with a reason."""
-    folder = Path(image_dir)
+def scan_images(data: DataConfig) -> ScanReport:
+    """Find the images and their same-stem `.txt` captions, decoding each image once so that a
+    corrupt or truncated file is skipped now, with its reason, instead of failing hours later."""
+    folder = Path(data.image_dir)
+    pattern = "**/*" if data.recursive else "*"
+    paths = sorted(p for p in folder.glob(pattern) if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
     report = ScanReport()
-    for path in sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS):
-        try:
-            with Image.open(path) as image:
-                width, height = image.size
-                if image.getexif().get(_EXIF_ORIENTATION) in _ROTATED_ORIENTATIONS:
-                    width, height = height, width
-        except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as exc:
-            report.skipped.append((path, f"cannot read image: {exc}"))
-            continue
-        caption_path = path.with_suffix(".txt")
-        caption = caption_path.read_text(encoding="utf-8").strip() if caption_path.is_file() else ""
-        if not caption:
-            report.missing_captions.append(path)
-        report.images.append(ImageRecord(path, caption, width, height))
+    workers = max(1, min(8, os.cpu_count() or 1))
+    with ThreadPoolExecutor(max_workers=workers) as pool:  # PIL decodes without holding the GIL
+        for path, result in zip(paths, pool.map(lambda p: _inspect(p, data.max_image_pixels), paths), strict=True):
+            if isinstance(result, str):
+                report.skipped.append((path, result))
+                continue
+            width, height, digest = result
+            caption, problem = read_caption(path)
+            if problem:
+                report.skipped.append((path, problem))
+                continue
+            if not caption:
+                report.missing_captions.append(path)
+            report.images.append(ImageRecord(path, caption, width, height, digest))
     return report
+
+
+def _inspect(path: Path, max_pixels: int) -> tuple[int, int, str] | str:
+    """(width, height as displayed, sha256 of the bytes), or the reason the image cannot be used."""
+    content = path.read_bytes()
+    if not content:
+        return "empty file (0 bytes)"
+    try:
+        with Image.open(io.BytesIO(content)) as image:
+            width, height = image.size
+            if width * height > max_pixels:
+                return f"too large: {width}x{height} is over data.max_image_pixels={max_pixels}"
+            if image.getexif().get(_EXIF_ORIENTATION) in _ROTATED_ORIENTATIONS:
+                width, height = height, width
+            image.load()  # a truncated or corrupt file fails here
+    except Image.DecompressionBombError:
+        return "too large: refused as a possible decompression bomb"
+    except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as exc:
+        return f"cannot read image: {exc}"
+    return width, height, hashlib.sha256(content).hexdigest()
+
+
+def read_caption(image_path: Path) -> tuple[str, str | None]:
+    """The caption next to an image ("" when missing), or a problem that makes it unusable."""
+    caption_path = image_path.with_suffix(".txt")
+    if not caption_path.is_file():
+        return "", None
+    try:
+        return caption_path.read_text(encoding="utf-8").strip(), None
+    except UnicodeDecodeError:
+        return "", f"caption {caption_path.name} is not UTF-8 text"
 
 
 # ------------------------------------------------------------------------------------ buckets
@@ -125,41 +167,86 @@ def augment_caption(caption: str, data: DataConfig, rng: random.Random) -> str:
 
 
 # ------------------------------------------------------------------------------------ dataset
-def load_rgb(path: Path) -> Image.Image:
-    """Open an image as RGB with EXIF orientation applied; transparency goes onto white."""
+def load_rgb(path: Path, background: tuple[int, int, int] = (255, 255, 255)) -> Image.Image:
+    """Open an image as 8-bit RGB with EXIF orientation applied.
+
+    Transparency (RGBA, LA, palette with a transparent colour) is composited onto `background`
+    rather than dropped (dropping it turns transparent areas into whatever colour they hide);
+    16-bit grayscale is scaled down rather than clipped; CMYK and grayscale are converted.
+    """
     with Image.open(path) as opened:
         image = ImageOps.exif_transpose(opened)
-        has_alpha = image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info)
+        if image.mode in _SIXTEEN_BIT_MODES:
+            values = np.asarray(image, dtype=np.float64)
+            if image.mode != "I" or values.max() > 255:
+                values = values / 257.0
+            return Image.fromarray(np.clip(values.round(), 0, 255).astype(np.uint8), "L").convert("RGB")
+        if image.mode == "F":
+            values = np.clip(np.asarray(image, dtype=np.float64), 0.0, 1.0) * 255.0
+            return Image.fromarray(values.round().astype(np.uint8), "L").convert("RGB")
+        has_alpha = image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info
         if has_alpha:
             rgba = image.convert("RGBA")
-            background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-            return Image.alpha_composite(background, rgba).convert("RGB")
+            canvas = Image.new("RGBA", rgba.size, (*background, 255))
+            return Image.alpha_composite(canvas, rgba).convert("RGB")
         return image.convert("RGB")
 
 
-def resize_and_crop(image: Image.Image, width: int, height: int, flip: bool = False) -> tuple[Image.Image, int, int]:
-    """Scale to cover (width, height), center-crop, optionally mirror; returns the crop's
-    (top, left) in the scaled image, measured from the right edge when mirrored (as kohya does)."""
-    scale = max(width / image.width, height / image.height)
-    resized_w = max(width, round(image.width * scale))
-    resized_h = max(height, round(image.height * scale))
-    image = image.resize((resized_w, resized_h), Image.Resampling.LANCZOS)
-    left = (resized_w - width) // 2
-    top = (resized_h - height) // 2
-    image = image.crop((left, top, left + width, top + height))
-    if flip:
-        return ImageOps.mirror(image), top, resized_w - left - width
-    return image, top, left
+@dataclass(frozen=True)
+class CropPlan:
+    """How one image becomes one training view: scaled to cover the target, cropped, mirrored."""
+
+    resized_width: int
+    resized_height: int
+    top: int
+    crop_left: int  # where the crop starts in the scaled image, before mirroring
+    left: int  # what SDXL's size conditioning receives: measured from the right edge when mirrored (as kohya)
+    flip: bool
+
+
+def plan_crop(record: ImageRecord, width: int, height: int, flip: bool, rng: random.Random | None) -> CropPlan:
+    """A center crop, or a random one when `rng` is given."""
+    scale = max(width / record.width, height / record.height)
+    resized_w = max(width, round(record.width * scale))
+    resized_h = max(height, round(record.height * scale))
+    if rng is None:
+        crop_left, top = (resized_w - width) // 2, (resized_h - height) // 2
+    else:
+        crop_left, top = rng.randint(0, resized_w - width), rng.randint(0, resized_h - height)
+    left = resized_w - crop_left - width if flip else crop_left
+    return CropPlan(resized_w, resized_h, top, crop_left, left, flip)
+
+
+def render_view(image: Image.Image, crop: CropPlan, width: int, height: int) -> Image.Image:
+    """Apply a crop plan to the decoded image."""
+    image = image.resize((crop.resized_width, crop.resized_height), Image.Resampling.LANCZOS)
+    image = image.crop((crop.crop_left, crop.top, crop.crop_left + width, crop.top + height))
+    return ImageOps.mirror(image) if crop.flip else image
+
+
+def to_tensor(image: Image.Image) -> torch.Tensor:
+    """RGB image → float16 tensor in [-1, 1], channels first (float16 halves the RAM)."""
+    pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)
+    return pixels.to(torch.float16)
+
+
+def latent_key(record: ImageRecord, target: tuple[int, int], crop: CropPlan) -> LatentKey:
+    width, height = target
+    return LatentKey(record.sha256, width, height, crop.top, crop.left, crop.flip)
 
 
 class ImageCaptionDataset(Dataset):
-    """Indexed by (image index, epoch) so that augmentation is deterministic per epoch."""
+    """Indexed by (image index, epoch) so that augmentation is deterministic per epoch (and a
+    resumed run sees exactly the samples it would have seen). With a latent cache it returns
+    latents sampled from the cached distribution and never decodes the image."""
 
-    def __init__(self, records: list[ImageRecord], targets: list[tuple[int, int]], data: DataConfig, seed: int):
+    def __init__(self, records: list[ImageRecord], targets: list[tuple[int, int]], data: DataConfig, seed: int,
+                 cache: LatentCache | None = None):
         self.records = records
         self.targets = targets
         self.data = data
         self.seed = seed
+        self.cache = cache
 
     def __len__(self) -> int:
         return len(self.records)
@@ -170,27 +257,38 @@ class ImageCaptionDataset(Dataset):
         width, height = self.targets[index]
         rng = random.Random(f"{self.seed}-{epoch}-{index}")
         flip = self.data.random_flip and rng.random() < 0.5
-        image, top, left = resize_and_crop(load_rgb(record.path), width, height, flip)
-        pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)
-        return {
-            "pixel_values": pixels.to(torch.float16),
+        crop = plan_crop(record, width, height, flip, rng if self.data.crop == "random" else None)
+        sample = {
             "caption": augment_caption(record.caption, self.data, rng),
             "original_size": torch.tensor([record.height, record.width]),
-            "crop_top_left": torch.tensor([top, left]),
+            "crop_top_left": torch.tensor([crop.top, crop.left]),
             "target_size": torch.tensor([height, width]),
             "path": str(record.path),
         }
+        if self.cache is None:
+            image = load_rgb(record.path, self.data.background_color)
+            sample["pixel_values"] = to_tensor(render_view(image, crop, width, height))
+        else:
+            entry = self.cache.load(latent_key(record, (width, height), crop))
+            if entry is None:
+                raise RuntimeError(f"latent cache entry for {record.path} vanished during training")
+            generator = torch.Generator().manual_seed(rng.getrandbits(63))
+            sample["latents"] = sample_latents(entry, generator)
+        return sample
 
 
 def collate(samples: list[dict]) -> dict:
-    return {
-        "pixel_values": torch.stack([s["pixel_values"] for s in samples]),
+    batch = {
         "captions": [s["caption"] for s in samples],
         "original_sizes": torch.stack([s["original_size"] for s in samples]),
         "crops_top_left": torch.stack([s["crop_top_left"] for s in samples]),
         "target_sizes": torch.stack([s["target_size"] for s in samples]),
         "paths": [s["path"] for s in samples],
     }
+    for name in ("pixel_values", "latents"):
+        if name in samples[0]:
+            batch[name] = torch.stack([s[name] for s in samples])
+    return batch
 
 
 # ------------------------------------------------------------------------------------ sampler
@@ -248,6 +346,7 @@ class DatasetPlan:
     targets: list[tuple[int, int]]
     batch_sizes: dict[tuple[int, int], int]
     drop_last: bool
+    notes: list[str] = field(default_factory=list)
 
     def sampler(self, seed: int) -> BucketBatchSampler:
         return BucketBatchSampler(self.targets, self.batch_sizes, self.drop_last, seed)
@@ -258,33 +357,111 @@ class DatasetPlan:
 
     def bucket_rows(self) -> list[tuple[str, int, int, int, int]]:
         """(resolution, images, batch size, batches, images dropped) per bucket."""
-        counts: dict[tuple[int, int], int] = defaultdict(int)
-        for target in self.targets:
-            counts[target] += 1
         rows = []
-        for (width, height), images in sorted(counts.items()):
+        for (width, height), images in sorted(Counter(self.targets).items()):
             size = self.batch_sizes[(width, height)]
             full, rest = divmod(images, size)
             batches = full if self.drop_last else full + bool(rest)
             rows.append((f"{width}x{height}", images, size, batches, rest if self.drop_last else 0))
         return rows
 
+    def scaling_stats(self) -> tuple[int, float, float, float]:
+        """(images upscaled, largest upscale factor, mean and largest share of the scaled image
+        cropped away): how much the buckets change the images."""
+        upscaled, largest, cropped = 0, 1.0, []
+        for record, (width, height) in zip(self.scan.images, self.targets, strict=True):
+            crop = plan_crop(record, width, height, flip=False, rng=None)
+            scale = crop.resized_width / record.width
+            if scale > 1.0:
+                upscaled += 1
+                largest = max(largest, scale)
+            cropped.append(1.0 - width * height / (crop.resized_width * crop.resized_height))
+        return upscaled, largest, sum(cropped) / max(1, len(cropped)), max(cropped, default=0.0)
+
     def report(self) -> str:
-        lines = [
-            f"images: {len(self.scan.images)} found, {len(self.scan.skipped)} skipped, "
-            f"{len(self.scan.missing_captions)} without caption"
-        ]
-        lines += [f"  skipped {path}: {reason}" for path, reason in self.scan.skipped]
+        scan = self.scan
+        lines = [f"images: {len(scan.images)} usable, {len(scan.skipped)} skipped, "
+                 f"{len(scan.missing_captions)} without caption (trained with an empty caption)"]
+        lines += [f"  skipped {path}: {reason}" for path, reason in scan.skipped]
+        lines += [f"  no caption: {path}" for path in scan.missing_captions[:10]]
+        if len(scan.missing_captions) > 10:
+            lines.append(f"  … and {len(scan.missing_captions) - 10} more without caption")
         lines.append("  bucket      images  batch  batches  dropped")
         for resolution, images, size, batches, dropped in self.bucket_rows():
             lines.append(f"  {resolution:<10} {images:>7} {size:>6} {batches:>8} {dropped:>8}")
+        lines += [f"  {note}" for note in self.notes]
+        upscaled, largest, mean_crop, max_crop = self.scaling_stats()
+        lines.append(f"  upscaled: {upscaled} image(s)" + (f" (up to {largest:.2f}x)" if upscaled else "")
+                     + f"; cropped away: {mean_crop:.0%} on average, {max_crop:.0%} at most")
         return "\n".join(lines)
 
 
 def plan_dataset(data: DataConfig, batch_size: int) -> DatasetPlan:
     """Scan the images and assign every one its bucket; `batch_size` applies without buckets."""
-    scan = scan_images(data.image_dir)
+    scan = scan_images(data)
     targets = target_sizes(scan.images, data)
     default_batch = data.bucket.batch_size if data.bucket.enabled else batch_size
     drop_last = data.bucket.drop_last if data.bucket.enabled else False
-    return DatasetPlan(scan, targets, batch_sizes_per_bucket(targets, data, default_batch), drop_last)
+    batch_sizes = batch_sizes_per_bucket(targets, data, default_batch)
+    notes = merge_small_buckets(targets, batch_sizes) if drop_last else []
+    return DatasetPlan(scan, targets, batch_sizes, drop_last, notes)
+
+
+def merge_small_buckets(targets: list[tuple[int, int]], batch_sizes: dict[tuple[int, int], int]) -> list[str]:
+    """With drop_last, a bucket smaller than its batch size would lose all its images: move them
+    (in place) to the bucket nearest in aspect ratio that fills a batch; say what happened."""
+    counts = Counter(targets)
+    notes = []
+    for small in sorted(b for b in counts if counts[b] < batch_sizes[b]):
+        label = (f"bucket {small[0]}x{small[1]}: {counts[small]} image(s), "
+                 f"fewer than its batch size {batch_sizes[small]}")
+        full = [b for b in counts if b != small and counts[b] >= batch_sizes[b]]
+        if not full:
+            notes.append(f"{label}: dropped (no other bucket to merge into)")
+            continue
+        aspect = math.log(small[0] / small[1])
+        nearest = min(full, key=lambda b: abs(math.log(b[0] / b[1]) - aspect))
+        for index, target in enumerate(targets):
+            if target == small:
+                targets[index] = nearest
+        counts[nearest] += counts.pop(small)
+        notes.append(f"{label}: merged into {nearest[0]}x{nearest[1]}")
+    return notes
+
+
+# -------------------------------------------------------------------------------- latent cache
+def cache_views(plan: DatasetPlan, data: DataConfig) -> list[tuple[int, LatentKey, CropPlan]]:
+    """Every view training can ask for: each image at its bucket, center crop, and mirrored too
+    when `random_flip` is on."""
+    views = []
+    for index, (record, (width, height)) in enumerate(zip(plan.scan.images, plan.targets, strict=True)):
+        for flip in (False, True) if data.random_flip else (False,):
+            crop = plan_crop(record, width, height, flip, rng=None)
+            views.append((index, latent_key(record, (width, height), crop), crop))
+    return views
+
+
+def build_latent_cache(plan: DatasetPlan, data: DataConfig, cache: LatentCache, vae, device) -> tuple[int, int]:
+    """Encode the views missing from the cache, in batches of `build_batch_size` per bucket.
+    Returns (hits, built). The VAE runs here and nowhere else in a cached run."""
+    views = cache_views(plan, data)
+    missing = [view for view in views if cache.load(view[1]) is None]
+    by_size: dict[tuple[int, int], list] = defaultdict(list)
+    for view in missing:
+        by_size[plan.targets[view[0]]].append(view)
+    batch_size = data.latent_cache.build_batch_size
+    with tqdm(total=len(missing), desc="caching latents", disable=not missing) as progress:
+        for (width, height), group in sorted(by_size.items()):
+            for start in range(0, len(group), batch_size):
+                chunk = group[start : start + batch_size]
+                pixels = torch.stack([
+                    to_tensor(render_view(load_rgb(plan.scan.images[index].path, data.background_color),
+                                          crop, width, height))
+                    for index, _, crop in chunk
+                ]).to(device, dtype=vae.dtype)
+                with torch.no_grad():
+                    distribution = vae.encode(pixels).latent_dist
+                for row, (_, key, _) in enumerate(chunk):
+                    cache.save(key, distribution.mean[row], distribution.std[row])
+                progress.update(len(chunk))
+    return len(views) - len(missing), len(missing)

@@ -53,10 +53,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     total_steps = count_steps(config, data_plan.batches_per_epoch)
-    print(describe_plan(config, data_plan, total_steps))
+    preflight = describe_plan(config, data_plan, total_steps)
+    if config.data.latent_cache.enabled:
+        preflight += f"\nlatent cache: {cache_status(config, data_plan)}"
+    print(preflight)
     if args.dry_run:
         return EXIT_OK
-    return train(config, data_plan, total_steps)
+    return train(config, data_plan, total_steps, preflight)
 
 
 def check_inputs(config: Config) -> None:
@@ -103,8 +106,31 @@ def describe_plan(config: Config, data_plan, total_steps: int) -> str:
     ])
 
 
+def make_latent_cache(config: Config, vae_id: str):
+    from sdxl_trainer.latent_cache import LatentCache
+
+    cache = config.data.latent_cache
+    dtype = cache.dtype if cache.dtype != "auto" else {"no": "fp32"}.get(config.precision, config.precision)
+    return LatentCache(cache.cache_dir, vae_id, dtype, cache.latents)
+
+
+def cache_status(config: Config, data_plan) -> str:
+    """Hits and misses, known before loading any model when the VAE's weight file is local."""
+    import dataset
+    from sdxl_trainer.latent_cache import vae_fingerprint_from_files
+    from sdxl_trainer.models import vae_weight_files
+
+    found = vae_weight_files(config.model)
+    if found is None:
+        return "hits and misses are counted once the VAE is loaded"
+    cache = make_latent_cache(config, vae_fingerprint_from_files(*found))
+    views = dataset.cache_views(data_plan, config.data)
+    misses = len(cache.missing(key for _, key, _ in views))
+    return f"{len(views) - misses} hits, {misses} misses (to encode before training) in {cache.cache_dir}"
+
+
 # -------------------------------------------------------------------------------- training
-def train(config: Config, data_plan, total_steps: int) -> int:
+def train(config: Config, data_plan, total_steps: int, preflight: str = "") -> int:
     import torch
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -114,6 +140,7 @@ def train(config: Config, data_plan, total_steps: int) -> int:
     import dataset
     from sdxl_trainer import outputs
     from sdxl_trainer.diffusion import make_noise_scheduler
+    from sdxl_trainer.latent_cache import vae_fingerprint
     from sdxl_trainer.models import load_pipeline
     from sdxl_trainer.optimizers import make_optimizer
     from sdxl_trainer.training_setup import prepare_trainable
@@ -129,6 +156,11 @@ def train(config: Config, data_plan, total_steps: int) -> int:
     noise_scheduler = make_noise_scheduler(
         pipe.scheduler.config, training.prediction_type, training.zero_terminal_snr
     )
+    cache = None
+    if config.data.latent_cache.enabled:
+        cache = make_latent_cache(config, vae_fingerprint(pipe.vae.state_dict().values()))
+        hits, built = dataset.build_latent_cache(data_plan, config.data, cache, pipe.vae, accelerator.device)
+        print(f"latent cache: {hits} hits, {built} encoded now")
     trainable = prepare_trainable(pipe, config)
     optimizer = make_optimizer(config.optimizer, trainable.param_groups())
     lr_scheduler = make_lr_scheduler(optimizer, training.lr_warmup_steps, total_steps)
@@ -138,11 +170,11 @@ def train(config: Config, data_plan, total_steps: int) -> int:
 
     sampler = data_plan.sampler(seed)
     loader = DataLoader(
-        dataset.ImageCaptionDataset(data_plan.scan.images, data_plan.targets, config.data, seed),
+        dataset.ImageCaptionDataset(data_plan.scan.images, data_plan.targets, config.data, seed, cache),
         batch_sampler=sampler, collate_fn=dataset.collate, num_workers=config.data.num_workers,
         persistent_workers=False,
     )
-    writer = outputs.open_tensorboard(config) if accelerator.is_main_process else None
+    writer = outputs.open_tensorboard(config, preflight) if accelerator.is_main_process else None
     output_dir = config.output_dir
 
     global_step, epoch, logged_losses = 0, 0, []
@@ -208,10 +240,13 @@ def diffusion_loss(pipe, noise_scheduler, batch: dict, device, noise_offset: flo
     from sdxl_trainer.diffusion import sample_noise, sample_timesteps, training_target
 
     vae = pipe.vae
-    with torch.no_grad():
-        pixels = batch["pixel_values"].to(device, dtype=vae.dtype)
-        # One scaling factor, read from the VAE's own config, for encoding here and decoding later.
-        latents = vae.encode(pixels).latent_dist.sample() * vae.config.scaling_factor
+    if "latents" in batch:  # from the latent cache: the VAE encoder never runs
+        latents = batch["latents"].to(device, torch.float32)
+    else:
+        with torch.no_grad():
+            latents = vae.encode(batch["pixel_values"].to(device, dtype=vae.dtype)).latent_dist.sample()
+    # One scaling factor, read from the VAE's own config, for encoding here and decoding at eval.
+    latents = latents * vae.config.scaling_factor
     prompt_embeds, pooled_embeds = encode_prompts(
         batch["captions"], [pipe.tokenizer, pipe.tokenizer_2], [pipe.text_encoder, pipe.text_encoder_2], device
     )

@@ -235,12 +235,17 @@ class BucketConfig(Section):
 
 
 class LatentCacheConfig(Section):
-    enabled: bool = Field(False, description="Cache VAE latents on disk; training then never runs the VAE encoder.")
+    enabled: bool = Field(True, description="Cache VAE latents on disk; training then never runs the VAE encoder.")
     cache_dir: str = Field("./cache/latents", description="Cache folder.")
     dtype: Literal["auto", "fp32", "fp16", "bf16"] = Field(
         "auto", description="Storage dtype; `auto` follows the precision policy."
     )
     build_batch_size: PositiveInt = Field(2, description="Batch size while building missing latents.")
+    latents: Literal["sample", "mode"] = Field(
+        "sample",
+        description="`sample`: store the VAE's latent distribution (mean and std) and draw a new sample "
+        "every epoch; `mode`: store and always use the mean.",
+    )
 
 
 class DataConfig(Section):
@@ -256,9 +261,35 @@ class DataConfig(Section):
     caption_shuffle_min_tokens: int = Field(2, ge=0, description="Minimum number of parts before shuffling applies.")
     keep_tokens: int = Field(0, ge=0, description="Leading parts never shuffled (trigger words).")
     random_flip: bool = Field(False, description="Horizontal flip augmentation.")
+    crop: Literal["center", "random"] = Field(
+        "center", description="Where images are cropped to their bucket: the center, or a new random place each epoch."
+    )
+    recursive: bool = Field(False, description="Also read images in sub-folders of `image_dir`.")
+    background_color: tuple[int, int, int] = Field(
+        (255, 255, 255), description="RGB colour that transparent pixels are composited onto."
+    )
+    max_image_pixels: PositiveInt = Field(
+        100_000_000, description="Images with more pixels are skipped (protects against decompression bombs)."
+    )
     num_workers: int = Field(2, ge=0, description="Data-loader worker processes.")
     bucket: BucketConfig = Field(default_factory=BucketConfig, description="Aspect-ratio buckets.")
     latent_cache: LatentCacheConfig = Field(default_factory=LatentCacheConfig, description="VAE latent cache.")
+
+    @field_validator("background_color")
+    @classmethod
+    def _rgb(cls, value: tuple[int, int, int]) -> tuple[int, int, int]:
+        if not all(0 <= channel <= 255 for channel in value):
+            raise ValueError("each channel must be in 0..255")
+        return value
+
+    @model_validator(mode="after")
+    def _cache_needs_fixed_crops(self) -> DataConfig:
+        if self.latent_cache.enabled and self.crop == "random":
+            raise _KeyError(
+                "data.crop", 'is "random" but data.latent_cache.enabled is true: cached latents need a fixed '
+                'crop (use "center", or turn the cache off)'
+            )
+        return self
 
 
 # ----------------------------------------------------------------------------------- optimizer
@@ -428,7 +459,6 @@ UNBUILT: dict[str, tuple[Any, str]] = {
     "training.resume_from": (lambda v: v is not None, "resuming is planned"),
     "training.resume_state_path": (lambda v: v is not None, "resuming is planned"),
     "training.state_path": (lambda v: v is not None, "trainer state files are planned"),
-    "data.latent_cache.enabled": (bool, "the latent cache is planned"),
     "export.save_single_file": (bool, "single-file export is planned; run converttosdxl.py on a full run"),
     "export.adapter_formats": (lambda v: "kohya" in v, 'the kohya adapter format is planned; use ["diffusers"]'),
     "eval.live.enabled": (bool, "evaluation images are planned"),

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .config import ConfigError, ModelConfig
-from .tiny_model import BUILTIN_PREFIX, TINY_SDXL, tiny_sdxl_path
+from .tiny_model import BUILTIN_PREFIX, TINY_SDXL, tiny_sdxl_folder, tiny_sdxl_path
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKL, StableDiffusionXLPipeline
@@ -122,3 +122,20 @@ def _require_no_meta_tensors(pipe: StableDiffusionXLPipeline, path: str) -> None
             raise ConfigError(
                 f"model.id = {path!r}: the file lacks {len(empty)} {name} tensor(s), e.g. {empty[0]}"
             )
+
+
+def vae_weight_files(model: ModelConfig) -> tuple[list[Path], str] | None:
+    """The safetensors file(s) holding the VAE's weights and the key prefix of its tensors, found
+    without loading anything; None where that needs a download (hub ids) or a build."""
+    vae_id = model.vae or model.id
+    source = resolve_source(vae_id, key="model.vae" if model.vae else "model.id")
+    if source.kind == "hub":
+        return None
+    if source.kind == "single_file":
+        return [Path(source.location)], "" if model.vae else "first_stage_model."
+    folder = tiny_sdxl_folder() if source.kind == "builtin" else Path(source.location)
+    for candidate in (folder / "vae" / "diffusion_pytorch_model.safetensors",
+                      folder / "diffusion_pytorch_model.safetensors"):
+        if candidate.is_file():
+            return [candidate], ""
+    return None

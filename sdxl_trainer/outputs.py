@@ -89,14 +89,16 @@ def write_summary(config: Config, summary: dict[str, Any]) -> None:
     write_json(config.output_dir / "run_summary.json", summary)
 
 
-def open_tensorboard(config: Config):
-    """A TensorBoard writer for the run, or None when disabled; the config goes in as text."""
+def open_tensorboard(config: Config, preflight: str):
+    """A TensorBoard writer for the run, or None when disabled; the config and the pre-flight
+    report go in as text."""
     if not config.training.tensorboard.enabled:
         return None
     from torch.utils.tensorboard import SummaryWriter
 
     writer = SummaryWriter(log_dir=str(config.tensorboard_dir))
     writer.add_text("run/config", "```json\n" + json.dumps(config.resolved(), indent=2) + "\n```", 0)
+    writer.add_text("run/preflight", "```\n" + preflight + "\n```", 0)
     return writer
 
 

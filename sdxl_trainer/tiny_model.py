@@ -33,9 +33,14 @@ def default_cache_dir() -> Path:
     return Path(root)
 
 
+def tiny_sdxl_folder(cache_dir: Path | None = None) -> Path:
+    """Where the tiny SDXL pipeline lives (it may not be built yet)."""
+    return (cache_dir or default_cache_dir()) / f"tiny-sdxl-v{TINY_SDXL_VERSION}"
+
+
 def tiny_sdxl_path(cache_dir: Path | None = None) -> Path:
     """Return the folder of the tiny SDXL pipeline, building it on first use."""
-    folder = (cache_dir or default_cache_dir()) / f"tiny-sdxl-v{TINY_SDXL_VERSION}"
+    folder = tiny_sdxl_folder(cache_dir)
     if not (folder / "model_index.json").is_file():
         _build_atomically(folder)
     return folder

@@ -162,6 +162,26 @@ def test_help_defers_heavy_imports() -> None:
     assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
+def test_dry_run_prints_the_preflight_and_builds_no_model(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, train_sdxl\n"
+        f"code = train_sdxl.main(['--config', 'configs/quickstart.json', '--dry-run', "
+        f"'--set', 'data.latent_cache.cache_dir={tmp_path / 'latents'}'])\n"
+        "print(code, sorted(m for m in ('diffusers', 'transformers', 'peft', 'accelerate') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    lines = result.stdout.strip().splitlines()
+    assert lines[-1] == "0 []", result.stderr
+    report = "\n".join(lines)
+    assert "images: 18 usable, 0 skipped, 0 without caption" in report
+    assert "  64x64            6      2        3        0" in report
+    assert "steps: 150 optimizer steps (9 per epoch" in report
+    assert "latent cache: 0 hits, 18 misses" in report
+
+
 def test_generated_schema_and_option_table_are_current() -> None:
     assert stale_files() == [], "run: python -m sdxl_trainer.schema_docs"
 

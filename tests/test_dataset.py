@@ -52,17 +52,44 @@ def test_sample_reports_sizes_and_crop_for_sdxl_conditioning(tmp_path: Path) -> 
     assert float(sample["pixel_values"].min()) >= -1.0 and float(sample["pixel_values"].max()) <= 1.0
 
 
+def view(image: Image.Image, width: int, height: int, flip: bool = False, rng=None):
+    record = dataset.ImageRecord(Path("x.png"), "", image.width, image.height, "sha")
+    crop = dataset.plan_crop(record, width, height, flip, rng)
+    return dataset.render_view(image, crop, width, height), crop
+
+
 def test_center_crop_and_flip_coordinates() -> None:
-    image = Image.new("RGB", (200, 100))
-    cropped, top, left = dataset.resize_and_crop(image, 64, 64)
-    assert cropped.size == (64, 64) and (top, left) == (0, 32)  # resized to 128x64, 64 cut off
+    cropped, crop = view(Image.new("RGB", (200, 100)), 64, 64)
+    assert cropped.size == (64, 64) and (crop.top, crop.left) == (0, 32)  # resized to 128x64, 64 cut off
     two_colors = Image.new("RGB", (201, 100), (255, 0, 0))
     two_colors.paste((0, 0, 255), (100, 0, 201, 100))  # left half red, right half blue
-    plain, _, plain_left = dataset.resize_and_crop(two_colors, 64, 64)
-    flipped, top, left = dataset.resize_and_crop(two_colors, 64, 64, flip=True)
+    plain, plain_crop = view(two_colors, 64, 64)
+    flipped, flipped_crop = view(two_colors, 64, 64, flip=True)
     # Resized to 129x64; the crop starts at 32 from the left, i.e. at 33 measured from the right.
-    assert (plain_left, top, left) == (32, 0, 33)
+    assert (plain_crop.left, flipped_crop.top, flipped_crop.left) == (32, 0, 33)
     assert plain.getpixel((0, 32)) == (255, 0, 0) and flipped.getpixel((0, 32)) == (0, 0, 255)
+
+
+def test_random_crops_stay_inside_and_follow_the_rng() -> None:
+    image = Image.new("RGB", (300, 100))
+    crops = [view(image, 64, 64, rng=random.Random(seed))[1] for seed in range(30)]
+    assert all(0 <= c.crop_left <= 192 - 64 and c.top == 0 for c in crops)
+    assert len({c.crop_left for c in crops}) > 5
+    assert view(image, 64, 64, rng=random.Random(3))[1] == crops[3]
+
+
+def test_small_buckets_are_merged_into_the_nearest_full_one(tmp_path: Path) -> None:
+    make_images(tmp_path, [(300, 200)] * 4 + [(210, 300)])  # one portrait image, batch size 2
+    plan = dataset.plan_dataset(data_config(tmp_path, batch_size=2, drop_last=True), batch_size=1)
+    assert plan.targets == [(96, 64)] * 5
+    assert plan.notes == ["bucket 64x96: 1 image(s), fewer than its batch size 2: merged into 96x64"]
+    assert "merged into 96x64" in plan.report()
+    alone = tmp_path / "alone"
+    make_images(alone, [(210, 300)])
+    plan = dataset.plan_dataset(data_config(alone, batch_size=2, drop_last=True), batch_size=1)
+    assert plan.notes == [
+        "bucket 64x96: 1 image(s), fewer than its batch size 2: dropped (no other bucket to merge into)"
+    ]
 
 
 def test_batches_never_mix_buckets_and_respect_sizes(tmp_path: Path) -> None:
@@ -93,22 +120,12 @@ def test_caption_augmentation_keeps_trigger_words() -> None:
     assert dataset.augment_caption(caption, dropped, random.Random(0)) == ""
 
 
-def test_unreadable_images_are_skipped_with_a_reason(tmp_path: Path) -> None:
-    make_images(tmp_path, [(100, 100)])
-    (tmp_path / "broken.png").write_bytes(b"not an image")
-    (tmp_path / "empty.jpg").write_bytes(b"")
-    report = dataset.scan_images(tmp_path)
-    assert [r.path.name for r in report.images] == ["img_00.png"]
-    assert sorted(path.name for path, _ in report.skipped) == ["broken.png", "empty.jpg"]
-    assert all("cannot read image" in reason for _, reason in report.skipped)
-
-
 @pytest.mark.parametrize("orientation", [6, 8])
 def test_exif_rotation_swaps_the_reported_size(tmp_path: Path, orientation: int) -> None:
     image = Image.new("RGB", (300, 200))
     exif = image.getexif()
     exif[0x0112] = orientation
     image.save(tmp_path / "rotated.jpg", exif=exif)
-    record = dataset.scan_images(tmp_path).images[0]
+    record = dataset.scan_images(DataConfig(image_dir=str(tmp_path))).images[0]
     assert (record.width, record.height) == (200, 300)
     assert dataset.load_rgb(record.path).size == (200, 300)

@@ -1,0 +1,132 @@
+"""Content-addressed VAE latent cache: one `.safetensors` file per image, bucket, crop and flip.
+
+The file name is a hash of everything the latent depends on: the image's bytes, the target size,
+the crop, the flip, the VAE's weights, the storage dtype and what is stored (distribution or
+mode). An edited image or another VAE is therefore a miss, never a stale hit. Entries are checked
+when read (finite, expected shape) and rebuilt when damaged; every write is atomic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .atomic import atomic_path
+
+if TYPE_CHECKING:
+    import torch
+
+CACHE_FORMAT = 1
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class LatentKey:
+    """Everything about one training view of an image that its latent depends on."""
+
+    image_sha256: str
+    width: int
+    height: int
+    crop_top: int
+    crop_left: int
+    flip: bool
+
+
+def vae_fingerprint(tensors: Iterable[torch.Tensor]) -> str:
+    """Identity of a VAE from its weights alone: the sorted hashes of every tensor's fp32 bytes.
+
+    Names and storage dtype do not matter, so the same VAE read from a diffusers folder, a
+    single file or a loaded module (fp16 on disk, fp32 in memory) has the same fingerprint.
+    """
+    import torch
+
+    digests = sorted(
+        hashlib.sha256(tensor.detach().to("cpu", torch.float32).contiguous().numpy().tobytes()).hexdigest()
+        for tensor in tensors
+    )
+    return hashlib.sha256("".join(digests).encode()).hexdigest()[:32]
+
+
+def vae_fingerprint_from_files(weight_files: list[Path], prefix: str = "") -> str:
+    """The same fingerprint, read tensor by tensor from safetensors files (no model is built)."""
+    from safetensors import safe_open
+
+    def tensors() -> Iterator[torch.Tensor]:
+        for path in weight_files:
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    if name.startswith(prefix):
+                        yield handle.get_tensor(name)
+
+    return vae_fingerprint(tensors())
+
+
+class LatentCache:
+    """Reads and writes cached latents under `cache_dir` for one VAE, dtype and storage mode."""
+
+    def __init__(self, cache_dir: str | Path, vae_id: str, dtype: str, stored: str):
+        self.cache_dir = Path(cache_dir)
+        self.vae_id = vae_id
+        self.dtype = dtype  # "fp32", "fp16" or "bf16"
+        self.stored = stored  # "sample": mean and std; "mode": mean only
+
+    def path(self, key: LatentKey) -> Path:
+        fields = {**asdict(key), "vae": self.vae_id, "dtype": self.dtype, "stored": self.stored,
+                  "format": CACHE_FORMAT}
+        digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+        return self.cache_dir / digest[:2] / f"{digest}.safetensors"
+
+    def load(self, key: LatentKey) -> dict[str, torch.Tensor] | None:
+        """The cached tensors, or None when missing or damaged (a damaged entry is deleted)."""
+        import torch
+        from safetensors.torch import load_file
+
+        path = self.path(key)
+        if not path.is_file():
+            return None
+        expected = (4, key.height // 8, key.width // 8)
+        try:
+            tensors = load_file(path)
+        except Exception:  # any unreadable entry is a miss that gets rebuilt
+            tensors = None
+        names = {"mean", "std"} if self.stored == "sample" else {"mean"}
+        valid = (
+            tensors is not None
+            and set(tensors) == names
+            and all(tuple(t.shape) == expected and t.dtype == getattr(torch, DTYPES[self.dtype])
+                    and bool(torch.isfinite(t).all()) for t in tensors.values())
+        )
+        if not valid:
+            path.unlink(missing_ok=True)
+            return None
+        return tensors
+
+    def save(self, key: LatentKey, mean: torch.Tensor, std: torch.Tensor | None) -> None:
+        import torch
+        from safetensors.torch import save_file
+
+        dtype = getattr(torch, DTYPES[self.dtype])
+        tensors = {"mean": mean}
+        if self.stored == "sample":
+            tensors["std"] = std
+        tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in tensors.items()}
+        with atomic_path(self.path(key)) as tmp:
+            save_file(tensors, str(tmp), metadata={"format": str(CACHE_FORMAT), "vae": self.vae_id})
+
+    def missing(self, keys: Iterable[LatentKey]) -> list[LatentKey]:
+        return [key for key in keys if self.load(key) is None]
+
+
+def sample_latents(entry: dict[str, torch.Tensor], generator: torch.Generator | None) -> torch.Tensor:
+    """A latent from a cached entry: mean + std·noise for stored distributions, else the mean."""
+    import torch
+
+    mean = entry["mean"].float()
+    if "std" not in entry:
+        return mean
+    noise = torch.randn(mean.shape, generator=generator, dtype=torch.float32)
+    return mean + entry["std"].float() * noise
