@@ -15,3 +15,6 @@ docs:
 
 quickstart:
 	$(PYTHON) train_sdxl.py --config configs/quickstart.json
+
+bench:
+	$(PYTHON) bench/bench_data.py

@@ -10,12 +10,15 @@ unfreeze weights (full fine-tune) → train → save outputs (see README "Output
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import secrets
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from sdxl_trainer.config import UNBUILT, Config, ConfigError, load_config, unbuilt_options
 
@@ -44,22 +47,41 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(config.resolved(), indent=2))
             return EXIT_OK
         check_inputs(config)
-        import dataset
-
-        data_plan = dataset.plan_dataset(config.data, config.training.batch_size)
-        if not data_plan.scan.images:
-            raise ConfigError(f"data.image_dir = {config.data.image_dir!r}: no readable images found")
+        plan = plan_run(config)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    print(plan.preflight)
+    if args.dry_run:
+        return EXIT_OK
+    return train(config, plan)
+
+
+@dataclass
+class RunPlan:
+    """Everything decided before any model is loaded."""
+
+    data: Any  # dataset.DatasetPlan
+    total_steps: int
+    prompts: list  # eval prompts (empty when eval is off)
+    preflight: str  # the report printed at the start and logged to TensorBoard
+
+
+def plan_run(config: Config) -> RunPlan:
+    import dataset
+    from sdxl_trainer.evaluator import eval_prompts
+
+    prompts = eval_prompts(config)
+    data_plan = dataset.plan_dataset(config.data, config.training.batch_size)
+    if not data_plan.scan.images:
+        raise ConfigError(f"data.image_dir = {config.data.image_dir!r}: no readable images found")
     total_steps = count_steps(config, data_plan.batches_per_epoch)
     preflight = describe_plan(config, data_plan, total_steps)
     if config.data.latent_cache.enabled:
         preflight += f"\nlatent cache: {cache_status(config, data_plan)}"
-    print(preflight)
-    if args.dry_run:
-        return EXIT_OK
-    return train(config, data_plan, total_steps, preflight)
+    if prompts:
+        preflight += f"\neval: {len(prompts)} prompt(s), sampler {config.eval.sampler_name} ({config.eval.scheduler})"
+    return RunPlan(data_plan, total_steps, prompts, preflight)
 
 
 def check_inputs(config: Config) -> None:
@@ -130,7 +152,7 @@ def cache_status(config: Config, data_plan) -> str:
 
 
 # -------------------------------------------------------------------------------- training
-def train(config: Config, data_plan, total_steps: int, preflight: str = "") -> int:
+def train(config: Config, plan: RunPlan) -> int:
     import torch
     from accelerate import Accelerator
     from accelerate.utils import set_seed
@@ -140,12 +162,13 @@ def train(config: Config, data_plan, total_steps: int, preflight: str = "") -> i
     import dataset
     from sdxl_trainer import outputs
     from sdxl_trainer.diffusion import make_noise_scheduler
+    from sdxl_trainer.evaluator import Evaluator, make_validation, validation_batches
     from sdxl_trainer.latent_cache import vae_fingerprint
     from sdxl_trainer.models import load_pipeline
     from sdxl_trainer.optimizers import make_optimizer
     from sdxl_trainer.training_setup import prepare_trainable
 
-    training = config.training
+    training, data_plan, total_steps = config.training, plan.data, plan.total_steps
     accelerator = Accelerator(gradient_accumulation_steps=training.grad_accum_steps)
     seed = training.seed or secrets.randbelow(2**31 - 1) + 1
     set_seed(seed)
@@ -174,7 +197,15 @@ def train(config: Config, data_plan, total_steps: int, preflight: str = "") -> i
         batch_sampler=sampler, collate_fn=dataset.collate, num_workers=config.data.num_workers,
         persistent_workers=False,
     )
-    writer = outputs.open_tensorboard(config, preflight) if accelerator.is_main_process else None
+    writer = outputs.open_tensorboard(config, plan.preflight) if accelerator.is_main_process else None
+    evaluator = None
+    if plan.prompts and accelerator.is_main_process:
+        validation = None
+        if config.eval.live.enabled:
+            batches = validation_batches(data_plan, config, seed, cache)
+            validation = make_validation(batches, noise_scheduler.config.num_train_timesteps, seed)
+        loss_fn = functools.partial(diffusion_loss, pipe, noise_scheduler, device=accelerator.device)
+        evaluator = Evaluator(config, pipe, plan.prompts, validation, loss_fn, list(modules), writer)
     output_dir = config.output_dir
 
     global_step, epoch, logged_losses = 0, 0, []
@@ -206,6 +237,8 @@ def train(config: Config, data_plan, total_steps: int, preflight: str = "") -> i
                 if writer:
                     outputs.log_scalars(writer, global_step, mean_loss, lr_scheduler.get_last_lr(),
                                         trainable.group_names, float(grad_norm), training.tensorboard)
+            if evaluator and evaluator.due(global_step):
+                evaluator.live(global_step)
             if global_step % training.checkpoint_every == 0 and global_step < total_steps:
                 outputs.save_checkpoint(config, pipe, trainable, global_step)
             if global_step >= total_steps:
@@ -213,25 +246,32 @@ def train(config: Config, data_plan, total_steps: int, preflight: str = "") -> i
         epoch += 1
     progress.close()
 
-    if accelerator.is_main_process:
-        outputs.save_final(config, pipe, trainable)
-        outputs.write_summary(config, {
-            "status": "completed", "steps": global_step, "epochs_started": epoch,
-            "seconds": round(time.time() - started, 1), "seed": seed,
-            "images": len(data_plan.scan.images),
-            "skipped_files": [{"path": str(p), "reason": r} for p, r in data_plan.scan.skipped],
-        })
-        if writer:
-            writer.close()
-        print(f"done: {global_step} steps in {time.time() - started:.0f} s; outputs in {output_dir}")
-    return EXIT_OK
+    if not accelerator.is_main_process:
+        return EXIT_OK
+    outputs.save_final(config, pipe, trainable)
+    invalid = evaluator.final(global_step) if evaluator else 0
+    status = "completed" if not invalid else f"failed: {invalid} invalid final eval image(s)"
+    outputs.write_summary(config, {
+        "status": status, "steps": global_step, "epochs_started": epoch,
+        "seconds": round(time.time() - started, 1), "seed": seed,
+        "images": len(data_plan.scan.images),
+        "skipped_files": [{"path": str(p), "reason": r} for p, r in data_plan.scan.skipped],
+        "eval": evaluator.results if evaluator else [],
+        "invalid_eval_images": evaluator.invalid_images if evaluator else [],
+    })
+    if writer:
+        writer.close()
+    print(f"{'done' if not invalid else 'error'}: {global_step} steps in {time.time() - started:.0f} s; "
+          f"outputs in {output_dir}" + (f"; {invalid} final eval image(s) are invalid (see above)" if invalid else ""))
+    return EXIT_OK if not invalid else EXIT_FAILED
 
 
 def diffusion_loss(pipe, noise_scheduler, batch: dict, device, noise_offset: float = 0.0,
-                   noise=None, timesteps=None):
+                   noise=None, timesteps=None, generator=None):
     """The SDXL denoising loss of one batch (fp32 MSE between the UNet output and its target).
 
-    `noise` and `timesteps` can be fixed by the caller (tests measure learning that way).
+    `noise`, `timesteps` and the `generator` of the VAE's posterior sample can be fixed by the
+    caller: the validation loss and the learning tests use the same draws every time.
     """
     import torch
     import torch.nn.functional as F
@@ -244,7 +284,8 @@ def diffusion_loss(pipe, noise_scheduler, batch: dict, device, noise_offset: flo
         latents = batch["latents"].to(device, torch.float32)
     else:
         with torch.no_grad():
-            latents = vae.encode(batch["pixel_values"].to(device, dtype=vae.dtype)).latent_dist.sample()
+            pixels = batch["pixel_values"].to(device, dtype=vae.dtype)
+            latents = vae.encode(pixels).latent_dist.sample(generator=generator)
     # One scaling factor, read from the VAE's own config, for encoding here and decoding at eval.
     latents = latents * vae.config.scaling_factor
     prompt_embeds, pooled_embeds = encode_prompts(
@@ -255,6 +296,7 @@ def diffusion_loss(pipe, noise_scheduler, batch: dict, device, noise_offset: flo
         noise = sample_noise(latents, noise_offset)
     if timesteps is None:
         timesteps = sample_timesteps(noise_scheduler, latents.shape[0], device)
+    noise, timesteps = noise.to(device), timesteps.to(device)
     noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
     target = training_target(noise_scheduler, latents, noise, timesteps)
     prediction = pipe.unet(

@@ -461,8 +461,6 @@ UNBUILT: dict[str, tuple[Any, str]] = {
     "training.state_path": (lambda v: v is not None, "trainer state files are planned"),
     "export.save_single_file": (bool, "single-file export is planned; run converttosdxl.py on a full run"),
     "export.adapter_formats": (lambda v: "kohya" in v, 'the kohya adapter format is planned; use ["diffusers"]'),
-    "eval.live.enabled": (bool, "evaluation images are planned"),
-    "eval.final.enabled": (bool, "evaluation images are planned"),
 }
 
 

@@ -1,0 +1,103 @@
+"""What a run evaluates and when: live eval images and the validation loss every
+`eval.live.every_n_steps`, final images after the last step, and the counts the run summary and
+the exit code need. Rendering itself is in `evaluation.py`, the loss in `validation.py`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .config import Config
+from .eval_prompts import EvalPrompt, load_prompts
+from .evaluation import run_evaluation
+from .validation import ValidationSet, make_validation_set, validation_loss
+
+if TYPE_CHECKING:
+    import torch
+    from diffusers import StableDiffusionXLPipeline
+
+VALIDATION_BATCHES = 4
+
+
+def eval_prompts(config: Config) -> list[EvalPrompt]:
+    """The eval prompts, checked at config time (a ConfigError names the file and the entry)."""
+    from .config import ConfigError
+    from .samplers import check_sampler
+
+    evaluation = config.eval
+    if not (evaluation.live.enabled or evaluation.final.enabled):
+        return []
+    if not evaluation.prompts_path:
+        raise ConfigError("eval.prompts_path is required when eval.live or eval.final is enabled")
+    check_sampler(evaluation.sampler_name, evaluation.scheduler, evaluation.backend)
+    return load_prompts(evaluation.prompts_path, evaluation.width, evaluation.height)
+
+
+class Evaluator:
+    def __init__(self, config: Config, pipe: StableDiffusionXLPipeline, prompts: list[EvalPrompt],
+                 validation: ValidationSet | None, loss_fn: Callable[..., torch.Tensor],
+                 trained_modules: list[torch.nn.Module], writer=None):
+        self.config = config
+        self.pipe = pipe
+        self.prompts = prompts
+        self.validation = validation
+        self.loss_fn = loss_fn
+        self.trained_modules = trained_modules
+        self.writer = writer
+        self.results: list[dict[str, Any]] = []
+        pipe.set_progress_bar_config(disable=True)
+
+    def due(self, step: int) -> bool:
+        live = self.config.eval.live
+        return live.enabled and step % live.every_n_steps == 0
+
+    def live(self, step: int) -> None:
+        """Eval images (first `max_batches` prompts) and the validation loss at this step."""
+        folder = self.config.output_dir / "eval" / "live" / f"step_{step}"
+        self._render(folder, "live", step, self.config.eval.live.max_batches)
+        if self.validation is not None:
+            loss = validation_loss(self.trained_modules, self.loss_fn, self.validation)
+            if self.writer:
+                self.writer.add_scalar("val/loss", loss, step)
+
+    def final(self, step: int) -> int:
+        """Final eval images; returns how many are invalid (a non-zero count fails the run)."""
+        if not self.config.eval.final.enabled:
+            return 0
+        result = self._render(self.config.output_dir / "eval" / "final", "final", step,
+                              self.config.eval.final.max_batches)
+        return len(result.invalid)
+
+    @property
+    def invalid_images(self) -> list[dict[str, str]]:
+        return [image for result in self.results for image in result["invalid"]]
+
+    def _render(self, folder: Path, tag: str, step: int, max_batches: int | None):
+        result = run_evaluation(self.pipe, self.config.eval, self.prompts, folder, tag=tag, step=step,
+                                writer=self.writer, max_batches=max_batches)
+        self.results.append(result.summary())
+        if self.writer:
+            self.writer.add_scalar(f"eval/{tag}_invalid_images", len(result.invalid), step)
+        return result
+
+
+def make_validation(batches: list[dict], num_train_timesteps: int, seed: int) -> ValidationSet:
+    """Noise and timesteps fixed once for the validation batches (latents are 1/8 of the image)."""
+    shapes = []
+    for batch in batches:
+        height, width = batch["target_sizes"][0].tolist()
+        shapes.append((len(batch["captions"]), 4, height // 8, width // 8))
+    return make_validation_set(batches, shapes, num_train_timesteps, seed)
+
+
+def validation_batches(data_plan, config: Config, seed: int, cache) -> list[dict]:
+    """The first few batches of the data, without augmentation, always the same."""
+    import dataset
+
+    plain = config.data.model_copy(update={
+        "caption_dropout_prob": 0.0, "caption_shuffle_prob": 0.0, "random_flip": False, "crop": "center",
+    })
+    items = dataset.ImageCaptionDataset(data_plan.scan.images, data_plan.targets, plain, seed, cache)
+    chosen = data_plan.sampler(seed).batches(epoch=0)[:VALIDATION_BATCHES]
+    return [dataset.collate([items[(index, 0)] for index in batch]) for batch in chosen]

@@ -1,0 +1,84 @@
+"""Evaluation inside a run: images at the right steps, val/loss in TensorBoard, training
+untouched by it, and a final eval with broken images fails the run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.helpers import ROOT, run_cli, tiny_config, write_config
+
+PROMPTS = str(ROOT / "configs" / "quickstart_prompts.json")
+
+
+def eval_config(tmp_path: Path, live: bool, **sections) -> dict:
+    config = tiny_config(tmp_path, training={"num_steps": 4, "checkpoint_every": 100}, **sections)
+    config["eval"] = {
+        "num_inference_steps": 2, "prompts_path": PROMPTS, "width": 64, "height": 64,
+        "live": {"enabled": live, "every_n_steps": 2, "max_batches": 2}, "final": {"enabled": True},
+    }
+    return config
+
+
+def test_live_eval_writes_images_and_val_loss_without_changing_training(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with_eval, without = tmp_path / "with", tmp_path / "without"
+    for folder, live in ((with_eval, True), (without, False)):
+        result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / f"{folder.name}.json",
+                                                                        eval_config(folder, live))))
+        assert result.returncode == 0, result.stderr[-3000:]
+    run = with_eval / "out" / "test_run"
+    for step in (2, 4):
+        names = sorted(p.name for p in (run / "eval" / "live" / f"step_{step}").iterdir())
+        assert names == ["00_tok-a-red-circle-blue-background.png",
+                         "01_tok-a-yellow-triangle-purple-background.png", "grid.png"]
+    assert len(list((run / "eval" / "final").glob("0*.png"))) == 3
+    events = EventAccumulator(str(with_eval / "tb" / "test_run"), size_guidance={"images": 0})
+    events.Reload()
+    assert [e.step for e in events.Scalars("val/loss")] == [2, 4]
+    assert all(0.0 < e.value < 10.0 for e in events.Scalars("val/loss"))
+    assert {"eval/live/0", "eval/live/1", "eval/final/2"} <= set(events.Tags()["images"])
+    summary = json.loads((run / "run_summary.json").read_text())
+    assert summary["status"] == "completed" and summary["invalid_eval_images"] == []
+    # The training RNG stream is not consumed by eval: the weights are bit-identical.
+    first = load_file(run / "pytorch_lora_weights.safetensors")
+    second = load_file(without / "out" / "test_run" / "pytorch_lora_weights.safetensors")
+    assert all(torch.equal(first[key], second[key]) for key in first)
+
+
+def test_invalid_final_images_fail_the_run(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
+    """A VAE decoder full of NaN (the decoder is never used in training) gives black/NaN images."""
+    model = shutil.copytree(tiny_sdxl_dir, tmp_path / "broken-model")
+    weights = model / "vae" / "diffusion_pytorch_model.safetensors"
+    tensors = load_file(weights)
+    tensors["decoder.conv_out.bias"] = torch.full_like(tensors["decoder.conv_out.bias"], float("nan"))
+    save_file(tensors, weights)
+    config = eval_config(tmp_path, live=False, model={"id": str(model)})
+    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "c.json", config)))
+    assert result.returncode == 1
+    assert "3 final eval image(s) are invalid" in result.stdout
+    assert "NaN" in result.stderr
+    final = tmp_path / "out" / "test_run" / "eval" / "final"
+    assert len(list(final.glob("*_INVALID.png"))) == 3
+    summary = json.loads((tmp_path / "out" / "test_run" / "run_summary.json").read_text())
+    assert summary["status"] == "failed: 3 invalid final eval image(s)"
+    assert len(summary["invalid_eval_images"]) == 3
+    assert (tmp_path / "out" / "test_run" / "pytorch_lora_weights.safetensors").is_file()  # weights kept
+
+
+def test_eval_without_prompts_file_is_a_config_error(tmp_path: Path) -> None:
+    config = eval_config(tmp_path, live=True)
+    config["eval"]["prompts_path"] = None
+    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "c.json", config)))
+    assert result.returncode == 2
+    assert "eval.prompts_path is required" in result.stderr
+    config["eval"]["prompts_path"] = PROMPTS
+    config["eval"]["sampler_name"] = "euler"
+    config["eval"]["scheduler"] = "karras-ish"
+    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "c.json", config)))
+    assert result.returncode == 2 and "karras-ish" in result.stderr and "karras" in result.stderr
