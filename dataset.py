@@ -304,9 +304,12 @@ class BucketBatchSampler(Sampler[list[tuple[int, int]]]):
         self.drop_last = drop_last
         self.seed = seed
         self.epoch = 0
+        self.start = 0
 
-    def set_epoch(self, epoch: int) -> None:
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """The epoch to iterate next, from its `start`-th batch (resuming mid-epoch)."""
         self.epoch = epoch
+        self.start = start
 
     def batches(self, epoch: int) -> list[list[int]]:
         """Every batch of one epoch, in training order."""
@@ -324,11 +327,11 @@ class BucketBatchSampler(Sampler[list[tuple[int, int]]]):
         return batches
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        for batch in self.batches(self.epoch):
+        for batch in self.batches(self.epoch)[self.start :]:
             yield [(index, self.epoch) for index in batch]
 
     def __len__(self) -> int:
-        return len(self.batches(self.epoch))
+        return len(self.batches(self.epoch)) - self.start
 
 
 def batch_sizes_per_bucket(targets: list[tuple[int, int]], data: DataConfig, batch_size: int) -> dict:
@@ -353,7 +356,7 @@ class DatasetPlan:
 
     @property
     def batches_per_epoch(self) -> int:
-        return len(self.sampler(seed=0))
+        return len(self.sampler(seed=0).batches(epoch=0))
 
     def bucket_rows(self) -> list[tuple[str, int, int, int, int]]:
         """(resolution, images, batch size, batches, images dropped) per bucket."""

@@ -10,19 +10,22 @@ unfreeze weights (full fine-tune) → train → save outputs (see README "Output
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
 import secrets
+import shlex
+import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sdxl_trainer.config import UNBUILT, Config, ConfigError, load_config, unbuilt_options
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -48,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_OK
         check_inputs(config)
         plan = plan_run(config)
+        plan.command = ["--config", args.config, *[part for item in args.set for part in ("--set", item)]]
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -65,10 +69,13 @@ class RunPlan:
     total_steps: int
     prompts: list  # eval prompts (empty when eval is off)
     preflight: str  # the report printed at the start and logged to TensorBoard
+    resume: tuple[Path, dict] | None = None  # (folder with the weights, trainer state) to continue from
+    command: list[str] = field(default_factory=list)  # the arguments of this run, for the resume hint
 
 
 def plan_run(config: Config) -> RunPlan:
     import dataset
+    from sdxl_trainer.checkpointing import check_compatible, load_state, resolve_resume, soft_settings
     from sdxl_trainer.evaluator import eval_prompts
 
     prompts = eval_prompts(config)
@@ -81,18 +88,33 @@ def plan_run(config: Config) -> RunPlan:
         preflight += f"\nlatent cache: {cache_status(config, data_plan)}"
     if prompts:
         preflight += f"\neval: {len(prompts)} prompt(s), sampler {config.eval.sampler_name} ({config.eval.scheduler})"
-    return RunPlan(data_plan, total_steps, prompts, preflight)
+    resume = None
+    found = resolve_resume(config)
+    if found:
+        folder, state_path = found
+        state = load_state(state_path)
+        warnings = check_compatible(state, config, soft_settings(config, data_plan, total_steps))
+        position = state["position"]
+        preflight += (f"\nresume: from {folder} at step {position['step']} (epoch {position['epoch']}, "
+                      f"batch {position['batches_in_epoch']} of it)")
+        preflight += "".join(f"\n  warning: {warning}" for warning in warnings)
+        resume = (folder, state)
+    return RunPlan(data_plan, total_steps, prompts, preflight, resume)
 
 
 def check_inputs(config: Config) -> None:
-    """Problems that need no model weights: unbuilt options, missing paths."""
+    """Problems that need no model weights: unbuilt options, missing paths and packages."""
+    from sdxl_trainer.attention import check_attention
+    from sdxl_trainer.export import check_export
     from sdxl_trainer.models import resolve_source
 
     unbuilt = unbuilt_options(config)
     if unbuilt:
         details = "; ".join(f"{key} ({UNBUILT[key][1]})" for key in unbuilt)
         raise ConfigError(f"not implemented yet: {details}")
+    check_attention(config.model.attention)
     resolve_source(config.model.id)
+    check_export(config)
     if config.model.vae:
         resolve_source(config.model.vae, key="model.vae")
     if not Path(config.data.image_dir).is_dir():
@@ -161,135 +183,326 @@ def train(config: Config, plan: RunPlan) -> int:
 
     import dataset
     from sdxl_trainer import outputs
-    from sdxl_trainer.diffusion import make_noise_scheduler
+    from sdxl_trainer.checkpointing import Position, save_state, set_rng_state, soft_settings
+    from sdxl_trainer.diffusion import sample_timesteps
+    from sdxl_trainer.ema import EMA
     from sdxl_trainer.evaluator import Evaluator, make_validation, validation_batches
-    from sdxl_trainer.latent_cache import vae_fingerprint
-    from sdxl_trainer.models import load_pipeline
+    from sdxl_trainer.export import ExportError, export_after_training
+    from sdxl_trainer.lr_schedule import make_lr_scheduler, schedule_settings
+    from sdxl_trainer.nan_guard import ABORT, OK, SKIP, NaNGuard, non_finite_report
     from sdxl_trainer.optimizers import make_optimizer
-    from sdxl_trainer.training_setup import prepare_trainable
+    from sdxl_trainer.outputs import NonFiniteWeightsError
+    from sdxl_trainer.precision import plan_precision
 
     training, data_plan, total_steps = config.training, plan.data, plan.total_steps
     accelerator = Accelerator(gradient_accumulation_steps=training.grad_accum_steps)
-    seed = training.seed or secrets.randbelow(2**31 - 1) + 1
+    device = accelerator.device
+    # Resuming keeps the interrupted run's seed: the data order and augmentation depend on it.
+    seed = plan.resume[1]["seed"] if plan.resume else training.seed or secrets.randbelow(2**31 - 1) + 1
     set_seed(seed)
-    print(f"seed: {seed}{'' if training.seed else ' (drawn at random; set training.seed to repeat)'}")
+    print(f"seed: {seed}{'' if training.seed or plan.resume else ' (drawn at random; set training.seed to repeat)'}")
+    precision = plan_precision(config, device.type)
+    print(precision.table())
 
-    pipe = load_pipeline(config.model)
-    pipe.to(accelerator.device)
-    noise_scheduler = make_noise_scheduler(
-        pipe.scheduler.config, training.prediction_type, training.zero_terminal_snr
-    )
-    cache = None
-    if config.data.latent_cache.enabled:
-        cache = make_latent_cache(config, vae_fingerprint(pipe.vae.state_dict().values()))
-        hits, built = dataset.build_latent_cache(data_plan, config.data, cache, pipe.vae, accelerator.device)
-        print(f"latent cache: {hits} hits, {built} encoded now")
-    trainable = prepare_trainable(pipe, config)
-    optimizer = make_optimizer(config.optimizer, trainable.param_groups())
-    lr_scheduler = make_lr_scheduler(optimizer, training.lr_warmup_steps, total_steps)
+    pipe, noise_scheduler, cache, trainable = setup_models(config, plan, precision, device)
+    optimizer = make_optimizer(config.optimizer, trainable.param_groups(), device.type,
+                               bf16_weights=precision.components["unet"].trained == "bf16")
+    lr_scheduler = make_lr_scheduler(optimizer, training, total_steps)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision.uses_grad_scaler)
+    position, ema, state = Position(), None, plan.resume[1] if plan.resume else None
+    if state:
+        optimizer.load_state_dict(state["optimizer"])
+        lr_scheduler.load_state_dict(state["lr_scheduler"])
+        scaler.load_state_dict(state["scaler"])
+        position = Position(**state["position"])
+        if state["ema"] is not None:
+            ema = EMA(list(trainable.named_parameters()), config.model.ema_decay, config.model.ema_device)
+            ema.load_state_dict(state["ema"])
     modules = accelerator.prepare(*trainable.modules.values())
     optimizer, lr_scheduler = accelerator.prepare(optimizer, lr_scheduler)
+    unet = torch.compile(pipe.unet, **config.model.torch_compile_kwargs) if config.model.use_torch_compile else None
+    autocast = torch.autocast(device.type, dtype=precision.torch_dtype(precision.compute),
+                              enabled=precision.compute != "fp32")
+    warmup_steps = schedule_settings(training).warmup_steps  # EMA starts when warmup ends
+    guard = NaNGuard(training.nan_policy if not training.detect_anomaly else "abort", training.max_nan_skips,
+                     precision.uses_grad_scaler, consecutive=state["nan_skips"] if state else 0)
+    soft = soft_settings(config, data_plan, total_steps)
+
+    def write_state(path: Path) -> None:
+        save_state(path, config, soft, position, optimizer, lr_scheduler, scaler, ema, guard.consecutive, seed)
     print(trainable.describe())
 
     sampler = data_plan.sampler(seed)
     loader = DataLoader(
         dataset.ImageCaptionDataset(data_plan.scan.images, data_plan.targets, config.data, seed, cache),
         batch_sampler=sampler, collate_fn=dataset.collate, num_workers=config.data.num_workers,
-        persistent_workers=False,
+        # Its own generator: starting an epoch must not draw from the training RNG (exact resume).
+        generator=torch.Generator().manual_seed(seed),
     )
-    writer = outputs.open_tensorboard(config, plan.preflight) if accelerator.is_main_process else None
+    writer = outputs.open_tensorboard(config, plan.preflight + "\n" + precision.table()) \
+        if accelerator.is_main_process else None
     evaluator = None
     if plan.prompts and accelerator.is_main_process:
         validation = None
         if config.eval.live.enabled:
             batches = validation_batches(data_plan, config, seed, cache)
             validation = make_validation(batches, noise_scheduler.config.num_train_timesteps, seed)
-        loss_fn = functools.partial(diffusion_loss, pipe, noise_scheduler, device=accelerator.device)
+        loss_fn = functools.partial(diffusion_loss, pipe, noise_scheduler, device=device)
         evaluator = Evaluator(config, pipe, plan.prompts, validation, loss_fn, list(modules), writer)
-    output_dir = config.output_dir
 
-    global_step, epoch, logged_losses = 0, 0, []
     started = time.time()
-    progress = tqdm(total=total_steps, desc="training", disable=not accelerator.is_main_process)
-    while global_step < total_steps:
-        sampler.set_epoch(epoch)
-        for batch in loader:
-            with accelerator.accumulate(*modules):
-                loss = diffusion_loss(pipe, noise_scheduler, batch, accelerator.device, training.noise_offset)
-                if not torch.isfinite(loss):
-                    return abort_non_finite(loss, batch, global_step, config)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    max_norm = training.max_grad_norm or math.inf
-                    grad_norm = accelerator.clip_grad_norm_(trainable.parameters(), max_norm)
-                optimizer.step()
-                lr_scheduler.step()
+    logged_losses, window_paths, window_timesteps, loss_warnings = [], [], [], []
+    stop = StopRequest()
+    if state:
+        set_rng_state(state["rng"])  # from here on every draw is the one the interrupted run made next
+    progress = tqdm(total=total_steps, initial=position.step, desc="training", disable=not accelerator.is_main_process)
+    try:
+        while position.step < total_steps:
+            sampler.set_epoch(position.epoch, start=position.batches_in_epoch)
+            epoch_losses = []
+            for batch in loader:
+                # One micro-batch: forward and backward (gradients add up over grad_accum_steps).
+                position.batches_in_epoch += 1
+                timesteps = sample_timesteps(noise_scheduler, len(batch["captions"]), device)
+                window_paths += batch["paths"]
+                window_timesteps += timesteps.tolist()
+                min_sigma = training.min_sigma if position.step >= training.min_sigma_warmup_steps else None
+                with accelerator.accumulate(*modules), autocast:
+                    loss = diffusion_loss(pipe, noise_scheduler, batch, device, training.noise_offset,
+                                          timesteps=timesteps, snr_gamma=training.snr_gamma,
+                                          min_sigma=min_sigma, unet=unet)
+                    accelerator.backward(scaler.scale(loss))
+                epoch_losses.append(loss.detach())
+                if not accelerator.sync_gradients:
+                    continue
+
+                # One optimizer step: unscale, clip, check for NaN/Inf, step.
+                scaler.unscale_(optimizer)
+                grad_norm = torch.nn.utils.clip_grad_norm_(list(trainable.parameters()),
+                                                           training.max_grad_norm or math.inf)
+                verdict = guard.check(loss, grad_norm, position.step + 1, window_paths)
+                if verdict == ABORT:
+                    reason = "the loss or the gradients became NaN/Inf"
+                    print(non_finite_report(position.step + 1, loss, window_paths, window_timesteps,
+                                            list(trainable.named_parameters()), reason), file=sys.stderr)
+                    return finish(config, "aborted: non-finite loss or gradients", position, started, seed,
+                                  data_plan, evaluator, guard, writer, EXIT_FAILED)
+                if verdict == SKIP:
+                    print(f"warning: non-finite loss or gradients at step {position.step + 1}; step skipped "
+                          f"({guard.consecutive} in a row, at most {training.max_nan_skips})", file=sys.stderr)
+                else:
+                    scaler.step(optimizer)  # the scaler itself skips steps whose fp16 gradients overflowed
+                scaler.update()
                 optimizer.zero_grad(set_to_none=True)
-            logged_losses.append(loss.detach())
-            if not accelerator.sync_gradients:
-                continue
-            global_step += 1
-            progress.update(1)
-            if global_step % training.log_every == 0 or global_step == total_steps:
-                mean_loss = torch.stack(logged_losses).mean().item()
-                logged_losses.clear()
-                progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr_scheduler.get_last_lr()[0]:.2e}")
-                if writer:
-                    outputs.log_scalars(writer, global_step, mean_loss, lr_scheduler.get_last_lr(),
-                                        trainable.group_names, float(grad_norm), training.tensorboard)
-            if evaluator and evaluator.due(global_step):
-                evaluator.live(global_step)
-            if global_step % training.checkpoint_every == 0 and global_step < total_steps:
-                outputs.save_checkpoint(config, pipe, trainable, global_step)
-            if global_step >= total_steps:
-                break
-        epoch += 1
-    progress.close()
+                window_paths, window_timesteps = [], []
+                if verdict == SKIP:
+                    continue
+                lr_scheduler.step()
+                position.step += 1
+                progress.update(1)
+                logged_losses.append(loss.detach())
+                step = position.step
+
+                if config.model.use_ema and step >= warmup_steps and step % training.ema_update_every == 0:
+                    if ema is None:
+                        ema = EMA(list(trainable.named_parameters()), config.model.ema_decay, config.model.ema_device)
+                    else:
+                        ema.update()
+                if verdict == OK and (step % training.log_every == 0 or step == total_steps):
+                    mean_loss = torch.stack(logged_losses).float().mean().item()
+                    logged_losses.clear()
+                    progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{lr_scheduler.get_last_lr()[0]:.2e}")
+                    if writer:
+                        outputs.log_step(writer, step, mean_loss, lr_scheduler.get_last_lr(),
+                                         trainable.group_names, float(grad_norm), scaler, training.tensorboard)
+                if evaluator and evaluator.due(step):
+                    with ema.swapped_in() if ema and config.eval.use_ema else contextlib.nullcontext():
+                        evaluator.live(step)
+                if stop.requested or (step % training.checkpoint_every == 0 and step < total_steps):
+                    checkpoint = outputs.save_checkpoint(config, pipe, trainable, step, write_state)
+                    if stop.requested:
+                        print(f"\ninterrupted: checkpoint saved at step {step}. Resume with:\n  "
+                              + resume_command(plan.command, checkpoint))
+                        return finish(config, f"interrupted at step {step}", position, started, seed, data_plan,
+                                      evaluator, guard, writer, EXIT_INTERRUPTED)
+                if step >= total_steps:
+                    break
+            else:
+                report_epoch(position.epoch, epoch_losses, position.step, warmup_steps, writer, loss_warnings)
+                position.epoch += 1
+                position.batches_in_epoch = 0
+    except NonFiniteWeightsError as exc:
+        print(f"error: {exc}; the checkpoint was not written", file=sys.stderr)
+        return finish(config, "aborted: non-finite weights", position, started, seed, data_plan, evaluator, guard,
+                      writer, EXIT_FAILED)
+    finally:
+        progress.close()
+        stop.restore()
 
     if not accelerator.is_main_process:
         return EXIT_OK
-    outputs.save_final(config, pipe, trainable)
-    invalid = evaluator.final(global_step) if evaluator else 0
-    status = "completed" if not invalid else f"failed: {invalid} invalid final eval image(s)"
+    if ema is not None:
+        ema.copy_to()  # the final weights are the averaged ones
+        print("final weights: EMA of the trained weights")
+    try:
+        outputs.save_final(config, pipe, trainable)
+        export_after_training(config, pipe, trainable)
+    except ExportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return finish(config, "failed: export", position, started, seed, data_plan, evaluator, guard, writer,
+                      EXIT_FAILED)
+    except NonFiniteWeightsError as exc:
+        print(f"error: {exc}; nothing was saved", file=sys.stderr)
+        return finish(config, "aborted: non-finite weights", position, started, seed, data_plan, evaluator, guard,
+                      writer, EXIT_FAILED)
+    write_state(config.state_path)
+    invalid = evaluator.final(position.step) if evaluator else 0
+    if invalid:
+        print(f"error: {invalid} final eval image(s) are invalid (see above)", file=sys.stderr)
+        return finish(config, f"failed: {invalid} invalid final eval image(s)", position, started, seed, data_plan,
+                      evaluator, guard, writer, EXIT_FAILED)
+    return finish(config, "completed", position, started, seed, data_plan, evaluator, guard, writer, EXIT_OK)
+
+
+def setup_models(config: Config, plan: RunPlan, precision, device):
+    """Load SDXL in the planned dtypes, cache latents, attach adapters (or unfreeze), audit."""
+    from safetensors.torch import load_file
+
+    import dataset
+    from sdxl_trainer.adapters import DIFFUSERS_WEIGHT_NAME, load_adapter_weights
+    from sdxl_trainer.attention import set_attention
+    from sdxl_trainer.diffusion import make_noise_scheduler
+    from sdxl_trainer.latent_cache import vae_fingerprint
+    from sdxl_trainer.models import load_pipeline
+    from sdxl_trainer.precision import audit, cast_trained_parameters, place_pipeline
+    from sdxl_trainer.training_setup import prepare_trainable
+
+    resume_folder = plan.resume[0] if plan.resume else None
+    if resume_folder and config.adapter.type == "none":  # a full fine-tune continues from its own pipeline
+        pipe = load_pipeline(config.model.model_copy(update={"id": str(resume_folder), "vae": None}))
+    else:
+        pipe = load_pipeline(config.model)
+    place_pipeline(pipe, precision, device)
+    print(f"attention: {set_attention(pipe.unet, config.model.attention, device.type)}")
+    noise_scheduler = make_noise_scheduler(
+        pipe.scheduler.config, config.training.prediction_type, config.training.zero_terminal_snr
+    )
+    # The saved pipeline (and the single file's v_pred/ztsnr markers) must say what was trained.
+    pipe.scheduler = pipe.scheduler.__class__.from_config(
+        pipe.scheduler.config, prediction_type=noise_scheduler.config.prediction_type,
+        rescale_betas_zero_snr=config.training.zero_terminal_snr,
+    )
+    cache = None
+    if config.data.latent_cache.enabled:
+        cache = make_latent_cache(config, vae_fingerprint(pipe.vae.state_dict().values()))
+        hits, built = dataset.build_latent_cache(plan.data, config.data, cache, pipe.vae, device)
+        print(f"latent cache: {hits} hits, {built} encoded now")
+    trainable = prepare_trainable(pipe, config)
+    if resume_folder and trainable.is_adapter:
+        tensors = load_file(resume_folder / DIFFUSERS_WEIGHT_NAME)
+        for name, module in trainable.modules.items():
+            load_adapter_weights(module, name, tensors)
+    cast_trained_parameters(trainable.modules, precision)
+    audit(pipe, precision, adapter=trainable.is_adapter)
+    return pipe, noise_scheduler, cache, trainable
+
+
+def report_epoch(epoch: int, losses: list, step: int, warmup_steps: int, writer, warned: list) -> None:
+    """Per-epoch loss min/mean/max, and (once) a warning when the loss stays at the level of
+    predicting nothing (a mean of 1.0 or more: the target has unit variance) after warmup."""
+    import torch
+
+    if not losses:
+        return
+    values = torch.stack(losses).float()
+    low, mean, high = values.min().item(), values.mean().item(), values.max().item()
+    if writer:
+        for name, value in (("min", low), ("mean", mean), ("max", high)):
+            writer.add_scalar(f"epoch/loss_{name}", value, step)
+    if step > warmup_steps and mean >= 1.0 and not warned:
+        warned.append(epoch)
+        print(f"warning: epoch {epoch} mean loss {mean:.3f} is still at the level of predicting nothing; check "
+              "the learning rate, the data and the precision (seed post-mortems: wrong VAE scaling, fp16)",
+              file=sys.stderr)
+
+
+def finish(config: Config, status: str, position, started: float, seed: int, data_plan,
+           evaluator, guard, writer, code: int) -> int:
+    """Write run_summary.json, close TensorBoard and say where things are."""
+    from sdxl_trainer import outputs
+
     outputs.write_summary(config, {
-        "status": status, "steps": global_step, "epochs_started": epoch,
+        "status": status, "steps": position.step, "epoch": position.epoch,
+        "checkpoints": [str(path) for path in outputs.list_checkpoints(config.output_dir / "checkpoints")],
         "seconds": round(time.time() - started, 1), "seed": seed,
         "images": len(data_plan.scan.images),
         "skipped_files": [{"path": str(p), "reason": r} for p, r in data_plan.scan.skipped],
+        "nan_events": guard.events,
         "eval": evaluator.results if evaluator else [],
         "invalid_eval_images": evaluator.invalid_images if evaluator else [],
     })
     if writer:
         writer.close()
-    print(f"{'done' if not invalid else 'error'}: {global_step} steps in {time.time() - started:.0f} s; "
-          f"outputs in {output_dir}" + (f"; {invalid} final eval image(s) are invalid (see above)" if invalid else ""))
-    return EXIT_OK if not invalid else EXIT_FAILED
+    print(f"{status}: {position.step} steps in {time.time() - started:.0f} s; outputs in {config.output_dir}")
+    return code
+
+
+class StopRequest:
+    """Ctrl-C / SIGTERM: the first finishes the current optimizer step, saves a checkpoint and exits;
+    a second one exits at once (every write is atomic, so nothing is left half-written)."""
+
+    def __init__(self):
+        self.requested = False
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            self.restore()
+            raise KeyboardInterrupt
+        self.requested = True
+        print(f"\n{signal.Signals(signum).name}: finishing this step and saving a checkpoint "
+              "(press Ctrl-C again to exit at once)", file=sys.stderr)
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
+def resume_command(command: list[str], checkpoint: Path) -> str:
+    """The exact command that continues this run from `checkpoint`."""
+    arguments = [sys.executable, sys.argv[0] if sys.argv[0].endswith(".py") else "train_sdxl.py", *command,
+                 "--set", f"training.resume_from={checkpoint}"]
+    return shlex.join(arguments)
 
 
 def diffusion_loss(pipe, noise_scheduler, batch: dict, device, noise_offset: float = 0.0,
-                   noise=None, timesteps=None, generator=None):
-    """The SDXL denoising loss of one batch (fp32 MSE between the UNet output and its target).
+                   noise=None, timesteps=None, generator=None, snr_gamma: float | None = None,
+                   min_sigma: float | None = None, unet=None):
+    """The SDXL denoising loss of one batch: the UNet's prediction against its target (noise or
+    velocity), squared error in fp32, optionally min-SNR weighted.
 
     `noise`, `timesteps` and the `generator` of the VAE's posterior sample can be fixed by the
-    caller: the validation loss and the learning tests use the same draws every time.
+    caller: the validation loss and the learning tests use the same draws every time. `unet` is a
+    compiled UNet when `model.use_torch_compile` is on.
     """
     import torch
-    import torch.nn.functional as F
 
     from sdxl_trainer.conditioning import add_time_ids, encode_prompts
-    from sdxl_trainer.diffusion import sample_noise, sample_timesteps, training_target
+    from sdxl_trainer.diffusion import loss_weights, sample_noise, sample_timesteps, training_target
 
     vae = pipe.vae
     if "latents" in batch:  # from the latent cache: the VAE encoder never runs
         latents = batch["latents"].to(device, torch.float32)
     else:
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast(device.type if hasattr(device, "type") else str(device),
+                                             enabled=False):
             pixels = batch["pixel_values"].to(device, dtype=vae.dtype)
-            latents = vae.encode(pixels).latent_dist.sample(generator=generator)
+            latents = vae.encode(pixels).latent_dist.sample(generator=generator).float()
     # One scaling factor, read from the VAE's own config, for encoding here and decoding at eval.
     latents = latents * vae.config.scaling_factor
     prompt_embeds, pooled_embeds = encode_prompts(
-        batch["captions"], [pipe.tokenizer, pipe.tokenizer_2], [pipe.text_encoder, pipe.text_encoder_2], device
+        batch["captions"], [pipe.tokenizer, pipe.tokenizer_2], [pipe.text_encoder, pipe.text_encoder_2], device,
+        zero_empty=pipe.config.force_zeros_for_empty_prompt,
     )
     time_ids = add_time_ids(batch["original_sizes"], batch["crops_top_left"], batch["target_sizes"]).to(device)
     if noise is None:
@@ -299,30 +512,13 @@ def diffusion_loss(pipe, noise_scheduler, batch: dict, device, noise_offset: flo
     noise, timesteps = noise.to(device), timesteps.to(device)
     noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
     target = training_target(noise_scheduler, latents, noise, timesteps)
-    prediction = pipe.unet(
+    prediction = (unet if unet is not None else pipe.unet)(
         noisy_latents, timesteps, encoder_hidden_states=prompt_embeds,
         added_cond_kwargs={"text_embeds": pooled_embeds, "time_ids": time_ids},
     ).sample
-    return F.mse_loss(prediction.float(), target.float())
-
-
-def make_lr_scheduler(optimizer, warmup_steps: int, total_steps: int):
-    """Constant LR after a linear warmup (the original tool's `lr_warmup_steps`)."""
-    from diffusers.optimization import get_scheduler
-
-    return get_scheduler("constant_with_warmup", optimizer, num_warmup_steps=warmup_steps,
-                         num_training_steps=total_steps)
-
-
-def abort_non_finite(loss, batch: dict, step: int, config: Config) -> int:
-    """Stop on a NaN/Inf loss with what is needed to find the cause; nothing is saved."""
-    print(
-        f"error: the loss became {loss.item()} at step {step + 1}; nothing was saved.\n"
-        f"  files in the batch: {', '.join(batch['paths'])}\n"
-        f"  precision: {config.precision}; see README 'Black images and NaN' for causes",
-        file=sys.stderr,
-    )
-    return EXIT_FAILED
+    per_sample = (prediction.float() - target.float()).pow(2).mean(dim=(1, 2, 3))
+    weights = loss_weights(noise_scheduler, timesteps, snr_gamma, min_sigma)
+    return (per_sample * weights).mean() if weights is not None else per_sample.mean()
 
 
 if __name__ == "__main__":

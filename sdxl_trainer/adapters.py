@@ -94,14 +94,37 @@ def adapter_state_dict(module: torch.nn.Module, component: str) -> dict[str, tor
     """
     from peft import get_peft_model_state_dict
 
-    tensors = {}
-    for key, tensor in get_peft_model_state_dict(module).items():
-        if component != "unet" and not key.startswith("text_model."):
-            key = "text_model." + key
-        if key.endswith("lora_magnitude_vector"):
-            key += ".weight"
-        tensors[key] = tensor.detach().float().cpu().contiguous()
-    return tensors
+    return {
+        file_key(key, component): tensor.detach().float().cpu().contiguous()
+        for key, tensor in get_peft_model_state_dict(module).items()
+    }
+
+
+def file_key(peft_key: str, component: str) -> str:
+    """The name a peft adapter tensor gets in the diffusers file (below its component prefix)."""
+    if component != "unet" and not peft_key.startswith("text_model."):
+        peft_key = "text_model." + peft_key
+    if peft_key.endswith("lora_magnitude_vector"):
+        peft_key += ".weight"
+    return peft_key
+
+
+def load_adapter_weights(module: torch.nn.Module, component: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Put the tensors of a saved `pytorch_lora_weights.safetensors` back into the adapter
+    attached to `module` (resuming); every adapter tensor must be in the file, exactly."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    state = {}
+    for key, current in get_peft_model_state_dict(module).items():
+        name = f"{component}.{file_key(key, component)}"
+        if name not in tensors:
+            raise ValueError(f"the adapter file has no {name}: it was trained with other targets")
+        if tensors[name].shape != current.shape:
+            raise ValueError(f"{name} has shape {tuple(tensors[name].shape)}, the adapter {tuple(current.shape)}")
+        state[key] = tensors[name].to(current.dtype)
+    result = set_peft_model_state_dict(module, state)
+    if getattr(result, "unexpected_keys", None):
+        raise ValueError(f"unexpected adapter keys: {result.unexpected_keys[:3]}")
 
 
 def adapter_metadata(module: torch.nn.Module) -> dict[str, Any]:

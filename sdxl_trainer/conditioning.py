@@ -9,12 +9,15 @@ if TYPE_CHECKING:
 
 
 def encode_prompts(
-    captions: list[str], tokenizers: list, text_encoders: list, device: torch.device
+    captions: list[str], tokenizers: list, text_encoders: list, device: torch.device, zero_empty: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (prompt_embeds, pooled_embeds) for a batch of captions.
 
     prompt_embeds concatenates both encoders' penultimate hidden states along the channel axis
     (768 + 1280 = 2048 for SDXL); pooled_embeds is the projected pooled output of encoder 2.
+    With `zero_empty` (the pipeline's `force_zeros_for_empty_prompt`, true for SDXL base) an empty
+    caption — a dropped one — gets all-zero embeddings: exactly the unconditional input that
+    SDXL's classifier-free guidance uses at inference.
     """
     import torch
 
@@ -28,7 +31,12 @@ def encode_prompts(
         output = text_encoder(input_ids, output_hidden_states=True)
         hidden_states.append(output.hidden_states[-2])
         pooled = output.text_embeds if hasattr(output, "text_embeds") else output.pooler_output
-    return torch.cat(hidden_states, dim=-1), pooled
+    prompt_embeds = torch.cat(hidden_states, dim=-1)
+    if zero_empty:
+        keep = torch.tensor([bool(caption) for caption in captions], device=prompt_embeds.device)
+        prompt_embeds = prompt_embeds * keep[:, None, None].to(prompt_embeds.dtype)
+        pooled = pooled * keep[:, None].to(pooled.dtype)
+    return prompt_embeds, pooled
 
 
 def add_time_ids(

@@ -51,6 +51,10 @@ class ModelConfig(Section):
         "load a single-file checkpoint without hub access.",
     )
     vae: str | None = Field(None, description="Replacement VAE: folder, hub id or single file.")
+    vae_fp16_safe: bool = Field(
+        False, description="The VAE was made to run in fp16 (e.g. sdxl-vae-fp16-fix): store it in fp16 in fp16 runs. "
+        "Otherwise the VAE always runs in fp32."
+    )
     use_ema: bool = Field(False, description="Keep an exponential moving average of the trained weights.")
     ema_decay: float = Field(0.9999, gt=0.0, lt=1.0, description="EMA decay, in (0, 1).")
     ema_device: Literal["cpu", "same"] = Field("cpu", description="Where EMA weights live.")
@@ -384,6 +388,21 @@ class Config(Section):
             raise _KeyError(
                 "model.use_bf16", 'is true but training.mixed_precision is "fp16"; keep one of them'
             )
+        if training.min_sigma is not None and training.snr_gamma is None:
+            raise _KeyError(
+                "training.min_sigma", "only changes the min-SNR loss weighting: set training.snr_gamma too"
+            )
+        if model.weights_dtype == "bf16":
+            if self.adapter.type != "none":
+                raise _KeyError(
+                    "model.weights_dtype", '"bf16" is for full fine-tunes (adapter.type "none"); adapters '
+                    "always keep fp32 weights"
+                )
+            if self.optimizer.type != "adamw":
+                raise _KeyError(
+                    "model.weights_dtype", '"bf16" trains with AdamW and stochastic rounding: set optimizer.type '
+                    'to "adamw"'
+                )
         for index in (1, 2):
             if getattr(model, f"train_text_encoder_{index}") and getattr(training, f"lr_text_encoder_{index}") is None:
                 raise _KeyError(
@@ -444,23 +463,6 @@ class _KeyError(ValueError):
 # asks for one of them stops before loading anything, rather than silently ignoring it.
 # dotted key -> (does this value need the unbuilt code?, what the README says about it)
 UNBUILT: dict[str, tuple[Any, str]] = {
-    "model.use_ema": (bool, "EMA weights are planned"),
-    "model.use_bf16": (bool, "the bf16/fp16 precision policy is planned; use training.mixed_precision no"),
-    "model.use_torch_compile": (bool, "torch.compile is planned"),
-    "model.attention": (lambda v: v in ("flash", "xformers"), "explicit attention backends are planned"),
-    "model.weights_dtype": (lambda v: v != "fp32", "bf16 weight storage is planned"),
-    "training.mixed_precision": (
-        lambda v: v != "no", "the bf16/fp16 precision policy is planned; use training.mixed_precision no"
-    ),
-    "training.snr_gamma": (lambda v: v is not None, "min-SNR weighting is planned"),
-    "training.min_sigma": (lambda v: v is not None, "min_sigma loss weighting is planned"),
-    "training.nan_policy": (lambda v: v == "skip", 'nan_policy "skip" is planned; "abort" works'),
-    "training.lr_scheduler": (lambda v: v is not None, "the lr_scheduler block is planned; lr_warmup_steps works"),
-    "training.resume_from": (lambda v: v is not None, "resuming is planned"),
-    "training.resume_state_path": (lambda v: v is not None, "resuming is planned"),
-    "training.state_path": (lambda v: v is not None, "trainer state files are planned"),
-    "export.save_single_file": (bool, "single-file export is planned; run converttosdxl.py on a full run"),
-    "export.adapter_formats": (lambda v: "kohya" in v, 'the kohya adapter format is planned; use ["diffusers"]'),
 }
 
 

@@ -53,3 +53,32 @@ def training_target(
     if prediction_type == "v_prediction":
         return scheduler.get_velocity(latents, noise, timesteps)
     raise ValueError(f"unsupported prediction type {prediction_type!r}")
+
+
+def snr(scheduler: DDPMScheduler, timesteps: torch.Tensor) -> torch.Tensor:
+    """Signal-to-noise ratio ᾱ/(1-ᾱ) of each timestep (1/σ² in the k-diffusion view)."""
+    alphas_cumprod = scheduler.alphas_cumprod.to(timesteps.device)[timesteps].float()
+    return alphas_cumprod / (1.0 - alphas_cumprod)
+
+
+def loss_weights(
+    scheduler: DDPMScheduler, timesteps: torch.Tensor, snr_gamma: float | None, min_sigma: float | None
+) -> torch.Tensor | None:
+    """Per-sample loss weights, or None for a plain mean.
+
+    Min-SNR (Hang et al. 2023): weight = min(SNR, γ)/SNR for epsilon targets and
+    min(SNR, γ)/(SNR + 1) for v-prediction. `min_sigma` clamps σ from below in this weighting
+    only — SNR is capped at 1/min_sigma² — and never changes the timesteps that are trained.
+    """
+    if snr_gamma is None:
+        return None
+    import torch
+
+    ratio = snr(scheduler, timesteps)
+    if min_sigma is not None:
+        ratio = torch.clamp(ratio, max=1.0 / min_sigma**2)
+    clipped = torch.clamp(ratio, max=snr_gamma)
+    if scheduler.config.prediction_type == "v_prediction":
+        return clipped / (ratio + 1.0)
+    # Zero-terminal-SNR schedules have SNR = 0 at the last step; keep its weight finite.
+    return clipped / ratio.clamp(min=1e-8)

@@ -7,15 +7,30 @@ from typing import Any
 from .config import OptimizerConfig
 
 
-def make_optimizer(optimizer: OptimizerConfig, param_groups: list[dict[str, Any]]):
-    """Build the optimizer over param groups that each carry their own `lr`."""
+def make_optimizer(optimizer: OptimizerConfig, param_groups: list[dict[str, Any]], device: str = "cpu",
+                   bf16_weights: bool = False):
+    """Build the optimizer over param groups that each carry their own `lr`.
+
+    bf16 weights get AdamW with stochastic rounding; 8-bit AdamW falls back to AdamW on Apple MPS,
+    where bitsandbytes has no kernels (the fallback is printed).
+    """
     import torch
 
-    if optimizer.type == "adamw":
+    if bf16_weights:
+        from .bf16_adamw import StochasticRoundingAdamW
+
+        return StochasticRoundingAdamW(
+            param_groups, betas=optimizer.betas, eps=optimizer.eps, weight_decay=optimizer.weight_decay
+        )
+    kind = optimizer.type
+    if kind == "adamw8bit" and device == "mps":
+        print('warning: bitsandbytes has no 8-bit AdamW for Apple MPS; using optimizer.type "adamw" instead')
+        kind = "adamw"
+    if kind == "adamw":
         return torch.optim.AdamW(
             param_groups, betas=optimizer.betas, eps=optimizer.eps, weight_decay=optimizer.weight_decay
         )
-    if optimizer.type == "adamw8bit":
+    if kind == "adamw8bit":
         try:
             import bitsandbytes as bnb
         except ImportError as exc:

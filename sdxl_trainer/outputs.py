@@ -8,11 +8,13 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .adapters import save_diffusers_adapter
 from .atomic import atomic_dir, write_json
+from .checkpointing import STATE_FILE
 from .config import Config, TensorBoardConfig
 
 if TYPE_CHECKING:
@@ -60,12 +62,18 @@ def save_pipeline(folder: Path, pipe: StableDiffusionXLPipeline) -> None:
             os.replace(entry, destination)
 
 
-def save_checkpoint(config: Config, pipe: StableDiffusionXLPipeline, trainable: Trainable, step: int) -> Path:
-    """Write `checkpoints/checkpoint-<step>/`, then delete the oldest beyond the limit."""
+def save_checkpoint(config: Config, pipe: StableDiffusionXLPipeline, trainable: Trainable, step: int,
+                    write_state: Callable[[Path], None]) -> Path:
+    """Write `checkpoints/checkpoint-<step>/` (weights and trainer state) as one atomic folder,
+    refresh the run's own state file, then delete the oldest checkpoints beyond the limit."""
     root = config.output_dir / "checkpoints"
     destination = root / f"checkpoint-{step}"
+    for leftover in root.glob(".checkpoint-*"):  # from a run killed while writing
+        shutil.rmtree(leftover, ignore_errors=True)
     with atomic_dir(destination) as tmp:
         save_weights(tmp, pipe, trainable)
+        write_state(tmp / STATE_FILE)
+    write_state(config.state_path)
     limit = config.training.checkpoints_total_limit
     if limit:
         for old in list_checkpoints(root)[:-limit]:
@@ -82,7 +90,10 @@ def list_checkpoints(root: Path) -> list[Path]:
 
 
 def save_final(config: Config, pipe: StableDiffusionXLPipeline, trainable: Trainable) -> None:
-    save_weights(config.output_dir, pipe, trainable)
+    """Full runs: the pipeline folder; adapter files are written by export.export_after_training."""
+    check_finite(trainable)
+    if not trainable.is_adapter:
+        save_pipeline(config.output_dir, pipe)
 
 
 def write_summary(config: Config, summary: dict[str, Any]) -> None:
@@ -102,10 +113,13 @@ def open_tensorboard(config: Config, preflight: str):
     return writer
 
 
-def log_scalars(writer, step: int, loss: float, learning_rates: list[float], group_names: list[str],
-                grad_norm: float, tensorboard: TensorBoardConfig) -> None:
+def log_step(writer, step: int, loss: float, learning_rates: list[float], group_names: list[str],
+             grad_norm: float, scaler, tensorboard: TensorBoardConfig) -> None:
+    """The per-step scalars: loss, learning rate per component, gradient norm, AMP scale."""
     writer.add_scalar("train/loss", loss, step)
     for name, lr in zip(group_names, learning_rates, strict=True):
         writer.add_scalar(f"lr/{name}", lr, step)
     if tensorboard.log_grad_norm:
         writer.add_scalar("train/grad_norm", grad_norm, step)
+    if tensorboard.log_scaler and scaler.is_enabled():
+        writer.add_scalar("train/amp_scale", scaler.get_scale(), step)

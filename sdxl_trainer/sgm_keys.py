@@ -200,6 +200,13 @@ def _entry(
     return PlanEntry(key, component, source_keys, transform, tuple(shape), dtype)
 
 
+def unet_sgm_key(key: str, unet_config: Mapping[str, Any]) -> str:
+    """The sgm key of one diffusers UNet key, e.g. `down_blocks.1.resnets.0.conv1.weight` →
+    `input_blocks.4.0.in_layers.2.weight`. kohya LoRA files name UNet modules this way.
+    Raises KeyMapError for a key outside the SDXL layout."""
+    return _map_key("unet", key, _unet_blocks(unet_config))[1]
+
+
 # --- block tables ------------------------------------------------------------------------------
 
 
@@ -325,17 +332,7 @@ def _map_by_blocks(component: str, keys: Sequence[str], blocks: Mapping[str, _Bl
     mapped: dict[str, str] = {}
     used: set[str] = set()
     for key in keys:
-        parts = key.split(".")
-        prefix = next(
-            (p for p in (".".join(parts[:n]) + "." for n in range(1, len(parts))) if p in blocks), None
-        )
-        if prefix is None:
-            raise KeyMapError(f"{component}: {key} has no place in the SDXL single-file layout")
-        block = blocks[prefix]
-        rest = key[len(prefix):]
-        if block.renames is not None:
-            rest = _rename_head(component, key, rest, block.renames)
-        mapped[key] = block.sgm_prefix + rest
+        prefix, mapped[key] = _map_key(component, key, blocks)
         used.add(prefix)
     unused = [prefix for prefix in blocks if prefix not in used]
     if unused:
@@ -344,6 +341,19 @@ def _map_by_blocks(component: str, keys: Sequence[str], blocks: Mapping[str, _Bl
             f"tensors ({len(unused)} modules missing)"
         )
     return mapped
+
+
+def _map_key(component: str, key: str, blocks: Mapping[str, _Block]) -> tuple[str, str]:
+    """(the block prefix that holds `key`, its sgm key)."""
+    parts = key.split(".")
+    prefix = next((p for p in (".".join(parts[:n]) + "." for n in range(1, len(parts))) if p in blocks), None)
+    if prefix is None:
+        raise KeyMapError(f"{component}: {key} has no place in the SDXL single-file layout")
+    block = blocks[prefix]
+    rest = key[len(prefix):]
+    if block.renames is not None:
+        rest = _rename_head(component, key, rest, block.renames)
+    return prefix, block.sgm_prefix + rest
 
 
 def _rename_head(component: str, key: str, rest: str, renames: Mapping[str, str]) -> str:

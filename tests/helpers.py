@@ -37,6 +37,7 @@ def tiny_config(tmp_path: Path, **sections: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_config(path: Path, config: dict[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(config, indent=2), encoding="utf-8")
     return path
 

@@ -138,11 +138,15 @@ def test_print_config_shows_derived_paths(tmp_path: Path) -> None:
     assert resolved["training"]["mixed_precision"] == "bf16"
 
 
-def test_unbuilt_option_is_refused_not_ignored(tmp_path: Path) -> None:
+def test_unbuilt_option_is_refused_not_ignored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """The mechanism that keeps a not-yet-built option from being silently ignored."""
+    import train_sdxl
+    from sdxl_trainer import config as config_module
+
+    monkeypatch.setitem(config_module.UNBUILT, "training.snr_gamma", (lambda v: v is not None, "planned"))
     config = tiny_config(tmp_path, training={"snr_gamma": 5.0})
-    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "c.json", config)))
-    assert result.returncode == 2
-    assert "not implemented yet: training.snr_gamma" in result.stderr
+    assert train_sdxl.main(["--config", str(write_config(tmp_path / "c.json", config))]) == 2
+    assert "not implemented yet: training.snr_gamma (planned)" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
@@ -167,14 +171,19 @@ def test_dry_run_prints_the_preflight_and_builds_no_model(tmp_path: Path, tiny_s
     import sys
 
     code = (
-        "import sys, train_sdxl\n"
+        "import diffusers, transformers\n"
+        "def refuse(*args, **kwargs):\n    raise AssertionError('a model was loaded')\n"
+        "for cls in (diffusers.ModelMixin, diffusers.DiffusionPipeline, transformers.PreTrainedModel):\n"
+        "    cls.from_pretrained = classmethod(refuse)\n"
+        "diffusers.DiffusionPipeline.from_single_file = classmethod(refuse)\n"
+        "import train_sdxl\n"
         f"code = train_sdxl.main(['--config', 'configs/quickstart.json', '--dry-run', "
         f"'--set', 'data.latent_cache.cache_dir={tmp_path / 'latents'}'])\n"
-        "print(code, sorted(m for m in ('diffusers', 'transformers', 'peft', 'accelerate') if m in sys.modules))"
+        "print('exit', code)"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     lines = result.stdout.strip().splitlines()
-    assert lines[-1] == "0 []", result.stderr
+    assert lines[-1] == "exit 0", result.stderr
     report = "\n".join(lines)
     assert "images: 18 usable, 0 skipped, 0 without caption" in report
     assert "  64x64            6      2        3        0" in report

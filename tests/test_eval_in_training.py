@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.helpers import ROOT, run_cli, tiny_config, write_config
 
-PROMPTS = str(ROOT / "configs" / "quickstart_prompts.json")
+PROMPTS = str(ROOT / "data" / "eval_prompts.quickstart.json")
 
 
 def eval_config(tmp_path: Path, live: bool, **sections) -> dict:
@@ -61,7 +61,7 @@ def test_invalid_final_images_fail_the_run(tmp_path: Path, tiny_sdxl_dir: Path) 
     config = eval_config(tmp_path, live=False, model={"id": str(model)})
     result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "c.json", config)))
     assert result.returncode == 1
-    assert "3 final eval image(s) are invalid" in result.stdout
+    assert "3 final eval image(s) are invalid" in result.stderr
     assert "NaN" in result.stderr
     final = tmp_path / "out" / "test_run" / "eval" / "final"
     assert len(list(final.glob("*_INVALID.png"))) == 3

@@ -23,7 +23,7 @@ from sdxl_trainer.image_checks import check_image
 from sdxl_trainer.models import load_pipeline
 from sdxl_trainer.samplers import SAMPLERS, check_sampler, make_eval_scheduler
 from sdxl_trainer.training_setup import prepare_trainable
-from tests.helpers import tiny_config
+from tests.helpers import ROOT, tiny_config
 
 # What each sampler must be, written out independently of the table in samplers.py.
 EXPECTED_SCHEDULERS = {
@@ -345,7 +345,11 @@ def test_prompts_file_sizes_seeds_and_defaults(tmp_path: Path) -> None:
         EvalPrompt("c", "", 0, 64, 96),
         EvalPrompt("d", "", 3, 128, 1024),
     ]
-    assert [p.seed for p in load_prompts("data/eval_prompts.example.json", 64, 64)] == [1, 2, 3]
+    shipped = load_prompts(ROOT / "data" / "eval_prompts.example.json", 1024, 1024)
+    assert [(p.seed, p.width, p.height) for p in shipped] == [(1, 1024, 1024), (2, 1216, 832), (3, 832, 1216),
+                                                             (4, 1024, 1024)]
+    quickstart = load_prompts(ROOT / "data" / "eval_prompts.quickstart.json", 64, 64)
+    assert [(p.seed, p.width, p.height) for p in quickstart] == [(1, 64, 64), (2, 96, 64), (3, 64, 96)]
 
 
 @pytest.mark.parametrize(("entries", "message"), [

@@ -1,0 +1,62 @@
+"""AdamW for bf16 weights with stochastic rounding (full fine-tunes with `weights_dtype: "bf16"`).
+
+bf16 keeps 8 bits of mantissa: an update smaller than half the spacing between neighbouring bf16
+values is lost entirely when rounded to nearest, so a fine-tune at a small learning rate simply
+stops moving. Rounding stochastically — up with a probability equal to the distance to the
+lower neighbour — keeps every update in expectation. The Adam moments stay in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def stochastic_round_to_bf16(values: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Round fp32 values to bf16, up or down at random in proportion to the distance."""
+    bits = values.float().contiguous().view(torch.int32)
+    noise = torch.randint(0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device, generator=generator)
+    # bf16 is the upper 16 bits of fp32: add uniform noise below them, then cut them off.
+    rounded = (bits + noise) & -65536
+    return rounded.view(torch.float32).to(torch.bfloat16)
+
+
+class StochasticRoundingAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay) on bf16 parameters, computed in fp32."""
+
+    def __init__(self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                state = self.state[param]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32)
+                    state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
+                state["step"] += 1
+                grad = param.grad.float()
+                state["exp_avg"].lerp_(grad, 1 - beta1)
+                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                bias1 = 1 - beta1 ** state["step"]
+                bias2 = 1 - beta2 ** state["step"]
+                denominator = (state["exp_avg_sq"] / bias2).sqrt_().add_(group["eps"])
+                weight = param.float()
+                weight.mul_(1 - group["lr"] * group["weight_decay"])
+                weight.addcdiv_(state["exp_avg"], denominator, value=-group["lr"] / bias1)
+                param.copy_(stochastic_round_to_bf16(weight) if param.dtype == torch.bfloat16 else weight)
+        return loss
+
+
+def update_is_below_bf16_resolution(value: float, update: float) -> bool:
+    """True when round-to-nearest would lose `update` on `value` entirely (for messages and tests)."""
+    spacing = 2.0 ** (math.floor(math.log2(abs(value))) - 7)
+    return abs(update) < spacing / 2

@@ -1,0 +1,177 @@
+"""Trainer state for exact resume: what `trainer_state.pt` holds, where a resume starts from, and
+whether the run being resumed is compatible with the current config.
+
+Resuming restores the optimizer, grad scaler, EMA, LR schedule, every RNG stream and the position
+in the data (epoch and batches done in it; the order of an epoch is a function of the seed and the
+epoch), so stopping at step k and resuming gives the same weights at step N as a run that never
+stopped. The file holds only tensors and plain Python values, so it loads with
+`torch.load(weights_only=True)` and can never run code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .atomic import atomic_path
+from .config import Config, ConfigError
+
+STATE_FILE = "trainer_state.pt"
+STATE_FORMAT = 1
+
+
+@dataclass
+class Position:
+    """Where training stands: optimizer steps done, and the epoch and batches done in it."""
+
+    step: int = 0
+    epoch: int = 0
+    batches_in_epoch: int = 0
+
+
+# ------------------------------------------------------------------------ what must match
+def identity(config: Config) -> dict[str, Any]:
+    """Settings a resumed run must share with the run it continues (the weights depend on them)."""
+    adapter = config.adapter
+    return {
+        "model.id": config.model.id, "model.vae": config.model.vae,
+        "model.train_text_encoder_1": config.model.train_text_encoder_1,
+        "model.train_text_encoder_2": config.model.train_text_encoder_2,
+        "model.weights_dtype": config.model.weights_dtype, "model.use_ema": config.model.use_ema,
+        "adapter.type": adapter.type, "adapter.rank": adapter.rank, "adapter.alpha": adapter.alpha,
+        "adapter.targets": adapter.targets, "adapter.conv_rank": adapter.conv_rank,
+        "adapter.conv_alpha": adapter.conv_alpha, "precision": config.precision,
+        "optimizer.type": config.optimizer.type,
+    }
+
+
+def soft_settings(config: Config, data_plan, total_steps: int) -> dict[str, Any]:
+    """Settings that may change on resume, each with what the change means."""
+    images = sorted(f"{record.sha256}:{record.caption}" for record in data_plan.scan.images)
+    return {
+        "dataset": hashlib.sha256("\n".join(images).encode()).hexdigest()[:16],
+        "batch_sizes": sorted(f"{w}x{h}:{n}" for (w, h), n in data_plan.batch_sizes.items()),
+        "grad_accum_steps": config.training.grad_accum_steps,
+        "total_steps": total_steps,
+    }
+
+
+SOFT_CHANGE_EFFECTS = {
+    "dataset": "the images or captions changed: the epoch order and the data position no longer match "
+               "the interrupted run; training continues on the new data",
+    "batch_sizes": "the batch sizes changed: the position in the epoch is kept in batches, so some images "
+                   "are seen twice or skipped in this epoch",
+    "grad_accum_steps": "the gradient accumulation changed: the effective batch size differs from here on",
+    "total_steps": "the run length changed: the LR schedule follows the new length from here on",
+}
+
+
+def check_compatible(saved: dict[str, Any], config: Config, soft: dict[str, Any]) -> list[str]:
+    """Raise a ConfigError naming every setting that differs from the saved run and would
+    change what the weights mean; return warnings for the settings that may change."""
+    current = identity(config)
+    differences = [f"{key}: {saved['identity'].get(key)!r} then, {value!r} now"
+                   for key, value in current.items() if saved["identity"].get(key) != value]
+    if differences:
+        raise ConfigError("cannot resume: the run differs in " + "; ".join(differences))
+    return [f"{key} changed: {SOFT_CHANGE_EFFECTS[key]}" for key, value in soft.items()
+            if saved["soft"].get(key) != value]
+
+
+# ------------------------------------------------------------------------------- RNG state
+def rng_state() -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    saved = state["numpy"]
+    np.random.set_state((saved["kind"], saved["keys"].numpy().astype(np.uint32), saved["pos"],
+                         saved["has_gauss"], saved["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---------------------------------------------------------------------------- save / load
+def save_state(path: Path, config: Config, soft: dict[str, Any], position: Position, optimizer, lr_scheduler,
+               scaler, ema, nan_skips: int, seed: int) -> None:
+    import torch
+
+    state = {
+        "format": STATE_FORMAT,
+        "identity": identity(config),
+        "soft": soft,
+        "config": json.dumps(config.resolved()),
+        "position": {"step": position.step, "epoch": position.epoch, "batches_in_epoch": position.batches_in_epoch},
+        "seed": seed,
+        "optimizer": optimizer.state_dict(),
+        "lr_scheduler": lr_scheduler.state_dict(),
+        "scaler": scaler.state_dict(),
+        "ema": ema.state_dict() if ema is not None else None,
+        "nan_skips": nan_skips,
+        "rng": rng_state(),
+    }
+    with atomic_path(path) as tmp:
+        torch.save(state, tmp)
+
+
+def load_state(path: Path) -> dict[str, Any]:
+    import torch
+
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ConfigError(f"training.resume_state_path: {path} does not exist") from None
+    except Exception as exc:  # a truncated or foreign file: say which, never run anything from it
+        raise ConfigError(f"{path}: not a readable trainer state ({type(exc).__name__}: {exc})") from None
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        raise ConfigError(f"{path}: not a trainer state of this version")
+    return state
+
+
+# --------------------------------------------------------------------------- where from
+def resolve_resume(config: Config) -> tuple[Path, Path] | None:
+    """(folder with the weights, trainer state file) to resume from, or None for a fresh run.
+
+    `resume_from` is an output folder, a checkpoint folder, or "latest" (the newest complete
+    checkpoint of this run); `resume_state_path` defaults to `<resume_from>/trainer_state.pt`.
+    """
+    from .outputs import list_checkpoints
+
+    resume_from = config.training.resume_from
+    if resume_from is None:
+        return None
+    if resume_from == "latest":
+        checkpoints = list_checkpoints(config.output_dir / "checkpoints")
+        if not checkpoints:
+            raise ConfigError(f'training.resume_from = "latest": no checkpoint in {config.output_dir / "checkpoints"}')
+        folder = checkpoints[-1]
+    else:
+        folder = Path(resume_from)
+        if not folder.is_dir():
+            raise ConfigError(f"training.resume_from = {resume_from!r}: no such folder")
+    state = Path(config.training.resume_state_path) if config.training.resume_state_path else folder / STATE_FILE
+    if not state.is_file():
+        raise ConfigError(f"training.resume_from = {str(folder)!r}: no {state.name} (set training.resume_state_path)")
+    return folder, state

@@ -1,0 +1,170 @@
+"""The precision policy: decided once from the config and the device, printed as a table, and
+audited after setup.
+
+Rules, each from a post-mortem in the original tool's documents:
+- The VAE runs in fp32 (an fp16 VAE overflows in its GroupNorms and decodes black images),
+  unless `model.vae_fp16_safe` says the configured VAE was made for fp16.
+- Trained parameters keep fp32 master weights (adapters, or fully trained modules), except a
+  full fine-tune with `weights_dtype: "bf16"`, whose optimizer rounds stochastically.
+- fp16 compute uses a grad scaler; the loss is always computed in fp32.
+- Apple MPS never runs fp16 (it produces NaN and black images): it falls back to fp32.
+- After setup every parameter and buffer is checked against the plan: a layer created after the
+  cast (the dtype-mismatch crash of one post-mortem) is caught with a clear message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from .config import Config
+
+DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+MPS_FP16_REFUSAL = (
+    "fp16 on Apple MPS produces NaN during denoising and black images (see the MPS post-mortem); "
+    "training falls back to fp32"
+)
+FP16_DORA_WARNING = (
+    "fp16 with DoRA is the known cause of NaN adapter weights and black images; bf16 (if the device "
+    "supports it) or fp32 is safer. NaN losses are caught and nothing non-finite is saved."
+)
+
+
+@dataclass(frozen=True)
+class ComponentPlan:
+    storage: str  # dtype of the frozen weights ("fp32", "bf16", "fp16")
+    trained: str | None  # dtype of trained parameters, None when the component is frozen
+
+
+@dataclass(frozen=True)
+class PrecisionPlan:
+    device: str  # "cuda", "mps" or "cpu"
+    compute: str  # autocast dtype, "fp32" means no autocast
+    components: dict[str, ComponentPlan]
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def uses_grad_scaler(self) -> bool:
+        return self.compute == "fp16"
+
+    def torch_dtype(self, name: str) -> torch.dtype:
+        import torch
+
+        return getattr(torch, DTYPE_NAMES[name])
+
+    def table(self) -> str:
+        lines = [f"precision: compute {self.compute} on {self.device}"
+                 + (" with a grad scaler" if self.uses_grad_scaler else "") + "; loss in fp32",
+                 "  component        weights  trained  compute"]
+        for name, plan in self.components.items():
+            compute = "fp32" if name == "vae" else self.compute
+            lines.append(f"  {name:<16} {plan.storage:<8} {plan.trained or '-':<8} {compute}")
+        return "\n".join(lines + [f"  warning: {warning}" for warning in self.warnings])
+
+
+def bf16_supported(device: str) -> bool:
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    return device in ("cpu", "mps")
+
+
+def plan_precision(config: Config, device: str, bf16_ok: bool | None = None) -> PrecisionPlan:
+    """The plan for this config on this device type ("cuda", "mps", "cpu").
+
+    `bf16_ok` overrides the device probe (for tests and for planning another machine's run).
+    """
+    warnings = []
+    compute = config.precision
+    if compute == "fp16" and device == "mps":
+        warnings.append(MPS_FP16_REFUSAL)
+        compute = "fp32"
+    if compute == "bf16" and not (bf16_supported(device) if bf16_ok is None else bf16_ok):
+        warnings.append(f"bf16 is not supported on this {device} device; training falls back to fp32")
+        compute = "fp32"
+    if compute == "no":
+        compute = "fp32"
+    if compute == "fp16" and config.adapter.type == "dora":
+        warnings.append(FP16_DORA_WARNING)
+
+    full = config.adapter.type == "none"
+    trained_dtype = config.model.weights_dtype if full else "fp32"
+    trained = {"unet": True, "text_encoder": config.model.train_text_encoder_1,
+               "text_encoder_2": config.model.train_text_encoder_2}
+    components = {}
+    for name, is_trained in trained.items():
+        if is_trained and full:
+            components[name] = ComponentPlan(trained_dtype, trained_dtype)
+        else:
+            components[name] = ComponentPlan(compute, "fp32" if is_trained else None)
+    vae_storage = "fp16" if compute == "fp16" and config.model.vae_fp16_safe else "fp32"
+    components["vae"] = ComponentPlan(vae_storage, None)
+    return PrecisionPlan(device, compute, components, tuple(warnings))
+
+
+def place_pipeline(pipe, plan: PrecisionPlan, device) -> None:
+    """Cast every component's weights to its planned storage dtype and move it to the device."""
+    from diffusers.utils import logging as diffusers_logging
+
+    verbosity = diffusers_logging.get_verbosity()
+    # diffusers warns about "modules that should be kept in float32" on every cast, even when the
+    # list is empty; the audit below is the real check.
+    diffusers_logging.set_verbosity_error()
+    try:
+        for name, component in plan.components.items():
+            module = getattr(pipe, name)
+            if module.dtype != plan.torch_dtype(component.storage):
+                module.to(plan.torch_dtype(component.storage))
+        # (diffusers also warns that fp16 pipelines cannot run on the CPU: our CPU fp16 runs
+        # autocast; frozen fp16 weights are only multiplied inside autocast regions.)
+        pipe.to(device)
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
+
+
+def cast_trained_parameters(modules: dict[str, torch.nn.Module], plan: PrecisionPlan) -> None:
+    """Give trained parameters (adapters created after the storage cast) their master dtype."""
+    for name, module in modules.items():
+        dtype = plan.torch_dtype(plan.components[name].trained)
+        for param in module.parameters():
+            if param.requires_grad:
+                param.data = param.data.to(dtype)
+
+
+class PrecisionAuditError(RuntimeError):
+    """A parameter or buffer whose dtype disagrees with the plan."""
+
+
+def audit(pipe, plan: PrecisionPlan, adapter: bool) -> None:
+    """Check every floating-point parameter and buffer against the plan; name what disagrees.
+
+    Trained tensors are the adapter's (`lora_` in the name) in adapter runs, and the parameters
+    that require gradients of trained components in full runs; everything else must be in its
+    component's storage dtype.
+    """
+    problems = []
+    for name, component in plan.components.items():
+        module = getattr(pipe, name)
+        storage = plan.torch_dtype(component.storage)
+        for tensor_name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            if not tensor.is_floating_point():
+                continue
+            if adapter:
+                trained = "lora_" in tensor_name
+            else:
+                trained = getattr(tensor, "requires_grad", False) and component.trained is not None
+            expected = plan.torch_dtype(component.trained) if trained else storage
+            if tensor.dtype != expected:
+                problems.append(f"{name}.{tensor_name} is {str(tensor.dtype).removeprefix('torch.')}, "
+                                f"planned {str(expected).removeprefix('torch.')}")
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise PrecisionAuditError(
+            f"precision audit failed ({len(problems)} tensor(s)): {shown}. A layer created or loaded after "
+            "the dtype cast keeps its own dtype and breaks mixed precision."
+        )

@@ -1,0 +1,181 @@
+"""Checkpoints and exact resume: stop anywhere, resume, and get the same weights; a crash while
+writing never costs the previous checkpoint; Ctrl-C saves and says how to continue."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sdxl_trainer.checkpointing import load_state
+from tests.helpers import ROOT, run_cli, tiny_config, write_config
+
+
+def resumable_config(tmp_path: Path, adapter_type: str, **training) -> dict:
+    """Buckets, caption dropout and shuffle, EMA, gradient accumulation and SGDR restarts."""
+    config = tiny_config(
+        tmp_path, adapter={"type": adapter_type},
+        model={"use_ema": True, "ema_decay": 0.8},
+        training={"num_steps": 8, "checkpoint_every": 3, "grad_accum_steps": 2, "ema_update_every": 2,
+                  "lr_unet": 1e-3 if adapter_type != "none" else 1e-4,
+                  "lr_scheduler": {"type": "cosine_restarts", "warmup_steps": 2, "min_factor": 0.2,
+                                   "cycle_steps": 2, "cycle_mult": 2.0}, **training},
+    )
+    config["data"].update({"caption_dropout_prob": 0.3, "caption_shuffle_prob": 0.5, "random_flip": True})
+    return config
+
+
+def final_weights(output: Path) -> dict[str, torch.Tensor]:
+    files = [output / "pytorch_lora_weights.safetensors"] if (output / "pytorch_lora_weights.safetensors").exists() \
+        else sorted(output.glob("*/*.safetensors"))
+    weights = {}
+    for path in files:
+        weights.update({f"{path.parent.name}/{key}": value for key, value in load_file(path).items()})
+    return weights
+
+
+def optimizer_tensors(state_path: Path) -> dict[str, torch.Tensor]:
+    state = load_state(state_path)["optimizer"]["state"]
+    return {f"{index}/{name}": value for index, entry in state.items() for name, value in entry.items()
+            if isinstance(value, torch.Tensor)}
+
+
+@pytest.mark.parametrize("adapter_type", ["dora", "none"])
+def test_stop_and_resume_gives_bit_identical_weights(tmp_path: Path, tiny_sdxl_dir: Path, adapter_type: str) -> None:
+    straight = resumable_config(tmp_path / "straight", adapter_type)
+    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "straight.json", straight)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    checkpoint = tmp_path / "straight" / "out" / "test_run" / "checkpoints" / "checkpoint-3"
+    position = load_state(checkpoint / "trainer_state.pt")["position"]
+    assert position == {"step": 3, "epoch": 0, "batches_in_epoch": 6}  # inside the first epoch of 9 batches
+
+    resumed = resumable_config(tmp_path / "resumed", adapter_type, resume_from=str(checkpoint))
+    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "resumed.json", resumed)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resume: from" in result.stdout and "at step 3 (epoch 0, batch 6 of it)" in result.stdout
+
+    first = final_weights(tmp_path / "straight" / "out" / "test_run")
+    second = final_weights(tmp_path / "resumed" / "out" / "test_run")
+    assert first.keys() == second.keys() and len(first) > 10
+    assert [key for key in first if not torch.equal(first[key], second[key])] == []
+    first_opt = optimizer_tensors(tmp_path / "straight" / "out" / "test_run" / "trainer_state.pt")
+    second_opt = optimizer_tensors(tmp_path / "resumed" / "out" / "test_run" / "trainer_state.pt")
+    assert first_opt.keys() == second_opt.keys() and first_opt
+    assert all(torch.equal(first_opt[key], second_opt[key]) for key in first_opt)
+
+
+def test_a_crash_while_writing_keeps_the_previous_checkpoint(tmp_path: Path, tiny_sdxl_dir: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import train_sdxl
+    from sdxl_trainer import outputs
+
+    config = tiny_config(tmp_path, training={"num_steps": 6, "checkpoint_every": 2})
+    path = write_config(tmp_path / "c.json", config)
+    real_save = outputs.save_weights
+    calls = []
+
+    def crash_on_second_checkpoint(folder, pipe, trainable):
+        calls.append(folder)
+        real_save(folder, pipe, trainable)
+        if len(calls) == 2:
+            raise OSError("disk full (injected while writing checkpoint-4)")
+
+    monkeypatch.setattr(outputs, "save_weights", crash_on_second_checkpoint)
+    with pytest.raises(OSError, match="disk full"):
+        train_sdxl.main(["--config", str(path)])
+    checkpoints = tmp_path / "out" / "test_run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint-2"]  # no half-written checkpoint-4
+    assert load_state(checkpoints / "checkpoint-2" / "trainer_state.pt")["position"]["step"] == 2
+
+    monkeypatch.setattr(outputs, "save_weights", real_save)
+    assert train_sdxl.main(["--config", str(path), "--set", "training.resume_from=latest"]) == 0
+    summary = json.loads((tmp_path / "out" / "test_run" / "run_summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 6
+
+
+def test_sigkill_at_any_moment_leaves_loadable_checkpoints(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
+    config = tiny_config(tmp_path, training={"num_steps": 400, "checkpoint_every": 1, "checkpoints_total_limit": 3})
+    path = write_config(tmp_path / "c.json", config)
+    checkpoints = tmp_path / "out" / "test_run" / "checkpoints"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for delay in (0.0, 0.3, 0.7):  # killed at different points of the write cycle
+        process = subprocess.Popen([sys.executable, str(ROOT / "train_sdxl.py"), "--config", str(path),
+                                    *(["--set", "training.resume_from=latest"] if checkpoints.exists() else [])],
+                                   env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 240
+        start_count = len(list(checkpoints.glob("checkpoint-*"))) if checkpoints.exists() else 0
+        while time.time() < deadline and (not checkpoints.exists()
+                                          or len(list(checkpoints.glob("checkpoint-*"))) <= start_count):
+            time.sleep(0.05)
+        time.sleep(delay)
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        for checkpoint in checkpoints.glob("checkpoint-*"):
+            assert load_state(checkpoint / "trainer_state.pt")["position"]["step"] == int(checkpoint.name.split("-")[1])
+            assert load_file(checkpoint / "pytorch_lora_weights.safetensors")
+    latest = max(int(p.name.split("-")[1]) for p in checkpoints.glob("checkpoint-*"))
+    result = run_cli("train_sdxl.py", "--config", str(path), "--set", "training.resume_from=latest",
+                     "--set", f"training.num_steps={latest + 2}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"at step {latest} " in result.stdout
+
+
+def test_ctrl_c_saves_a_checkpoint_and_prints_a_working_resume_command(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
+    config = tiny_config(tmp_path, training={"num_steps": 40, "checkpoint_every": 1000})
+    path = write_config(tmp_path / "c.json", config)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen([sys.executable, str(ROOT / "train_sdxl.py"), "--config", str(path)], env=env,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    events = tmp_path / "tb" / "test_run"
+    deadline = time.time() + 240
+    while time.time() < deadline and not list(events.glob("events.*")):
+        time.sleep(0.1)
+    time.sleep(3.0)  # well into training
+    process.send_signal(signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=240)
+    assert process.returncode == 130, stderr[-3000:]
+    assert "SIGINT: finishing this step" in stderr
+    command = stdout.split("Resume with:\n")[1].strip().splitlines()[0]
+    step = int(stdout.split("checkpoint saved at step ")[1].split(".")[0])
+    assert 0 < step < 40
+    resumed = subprocess.run(shlex.split(command), env=env, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at step {step} " in resumed.stdout
+    summary = json.loads((tmp_path / "out" / "test_run" / "run_summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 40
+
+
+def test_resume_refuses_another_rank_and_warns_about_another_length(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
+    config = tiny_config(tmp_path, training={"num_steps": 4, "checkpoint_every": 2,
+                                             "lr_scheduler": {"type": "linear_decay", "warmup_steps": 1}})
+    path = write_config(tmp_path / "c.json", config)
+    assert run_cli("train_sdxl.py", "--config", str(path)).returncode == 0
+    checkpoint = tmp_path / "out" / "test_run" / "checkpoints" / "checkpoint-2"
+
+    other_rank = run_cli("train_sdxl.py", "--config", str(path), "--set", f"training.resume_from={checkpoint}",
+                         "--set", "adapter.rank=8")
+    assert other_rank.returncode == 2
+    assert "cannot resume: the run differs in adapter.rank: 4 then, 8 now" in other_rank.stderr
+
+    longer = []
+    for name in ("longer", "again"):
+        result = run_cli("train_sdxl.py", "--config", str(path), "--set", f"training.resume_from={checkpoint}",
+                         "--set", "training.num_steps=8", "--set", f"run.name={name}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "total_steps changed: the run length changed: the LR schedule follows the new length" in result.stdout
+        longer.append(load_state(tmp_path / "out" / name / "trainer_state.pt"))
+    # Deterministically the new schedule: after 8 of 8 steps linear decay reaches min_factor 0.
+    assert longer[0]["lr_scheduler"]["_last_lr"] == [pytest.approx(0.0), pytest.approx(0.0)]
+    assert longer[0]["lr_scheduler"]["last_epoch"] == 8
+    first = load_file(tmp_path / "out" / "longer" / "pytorch_lora_weights.safetensors")
+    second = load_file(tmp_path / "out" / "again" / "pytorch_lora_weights.safetensors")
+    assert all(torch.equal(first[key], second[key]) for key in first)
