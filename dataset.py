@@ -264,6 +264,7 @@ class ImageCaptionDataset(Dataset):
             "crop_top_left": torch.tensor([crop.top, crop.left]),
             "target_size": torch.tensor([height, width]),
             "path": str(record.path),
+            "key": (index, epoch),
         }
         if self.cache is None:
             image = load_rgb(record.path, self.data.background_color)
@@ -284,6 +285,7 @@ def collate(samples: list[dict]) -> dict:
         "crops_top_left": torch.stack([s["crop_top_left"] for s in samples]),
         "target_sizes": torch.stack([s["target_size"] for s in samples]),
         "paths": [s["path"] for s in samples],
+        "keys": [s["key"] for s in samples],
     }
     for name in ("pixel_values", "latents"):
         if name in samples[0]:
@@ -293,16 +295,25 @@ def collate(samples: list[dict]) -> dict:
 
 # ------------------------------------------------------------------------------------ sampler
 class BucketBatchSampler(Sampler[list[tuple[int, int]]]):
-    """Batches of one target size each, shuffled deterministically from (seed, epoch)."""
+    """Batches of one target size each, shuffled deterministically from (seed, epoch).
+
+    With several processes every step draws one *global* batch of `batch size × processes`
+    images from one bucket and each process takes its slice, so all ranks always hold the same
+    bucket (no shape mismatch, no hang) and the global batch is the same however many processes
+    share it. A global batch that comes up short is filled up with images of the same bucket
+    (from the start of its shuffled list), unless `drop_last` drops it.
+    """
 
     def __init__(self, targets: list[tuple[int, int]], batch_sizes: dict[tuple[int, int], int],
-                 drop_last: bool, seed: int):
+                 drop_last: bool, seed: int, world_size: int = 1, rank: int = 0):
         self.buckets: dict[tuple[int, int], list[int]] = defaultdict(list)
         for index, target in enumerate(targets):
             self.buckets[target].append(index)
         self.batch_sizes = batch_sizes
         self.drop_last = drop_last
         self.seed = seed
+        self.world_size = world_size
+        self.rank = rank
         self.epoch = 0
         self.start = 0
 
@@ -312,23 +323,27 @@ class BucketBatchSampler(Sampler[list[tuple[int, int]]]):
         self.start = start
 
     def batches(self, epoch: int) -> list[list[int]]:
-        """Every batch of one epoch, in training order."""
+        """Every global batch of one epoch, in training order."""
         rng = random.Random(f"{self.seed}-buckets-{epoch}")
         batches = []
         for target in sorted(self.buckets):
             indices = list(self.buckets[target])
             rng.shuffle(indices)
-            size = self.batch_sizes[target]
+            size = self.batch_sizes[target] * self.world_size
             for start in range(0, len(indices), size):
                 batch = indices[start : start + size]
-                if len(batch) == size or not self.drop_last:
-                    batches.append(batch)
+                if len(batch) < size and self.drop_last:
+                    continue
+                if len(batch) < size and self.world_size > 1:  # every rank needs a full share
+                    batch += [indices[i % len(indices)] for i in range(size - len(batch))]
+                batches.append(batch)
         rng.shuffle(batches)
         return batches
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
         for batch in self.batches(self.epoch)[self.start :]:
-            yield [(index, self.epoch) for index in batch]
+            share = len(batch) // self.world_size
+            yield [(index, self.epoch) for index in batch[self.rank * share : (self.rank + 1) * share]]
 
     def __len__(self) -> int:
         return len(self.batches(self.epoch)) - self.start
@@ -351,8 +366,10 @@ class DatasetPlan:
     drop_last: bool
     notes: list[str] = field(default_factory=list)
 
-    def sampler(self, seed: int) -> BucketBatchSampler:
-        return BucketBatchSampler(self.targets, self.batch_sizes, self.drop_last, seed)
+    world_size: int = 1
+
+    def sampler(self, seed: int, rank: int = 0) -> BucketBatchSampler:
+        return BucketBatchSampler(self.targets, self.batch_sizes, self.drop_last, seed, self.world_size, rank)
 
     @property
     def batches_per_epoch(self) -> int:
@@ -362,7 +379,7 @@ class DatasetPlan:
         """(resolution, images, batch size, batches, images dropped) per bucket."""
         rows = []
         for (width, height), images in sorted(Counter(self.targets).items()):
-            size = self.batch_sizes[(width, height)]
+            size = self.batch_sizes[(width, height)] * self.world_size
             full, rest = divmod(images, size)
             batches = full if self.drop_last else full + bool(rest)
             rows.append((f"{width}x{height}", images, size, batches, rest if self.drop_last else 0))
@@ -399,26 +416,29 @@ class DatasetPlan:
         return "\n".join(lines)
 
 
-def plan_dataset(data: DataConfig, batch_size: int) -> DatasetPlan:
-    """Scan the images and assign every one its bucket; `batch_size` applies without buckets."""
+def plan_dataset(data: DataConfig, batch_size: int, world_size: int = 1) -> DatasetPlan:
+    """Scan the images and assign every one its bucket; `batch_size` applies without buckets and
+    is per process: a step takes `batch size × world_size` images from one bucket."""
     scan = scan_images(data)
     targets = target_sizes(scan.images, data)
     default_batch = data.bucket.batch_size if data.bucket.enabled else batch_size
     drop_last = data.bucket.drop_last if data.bucket.enabled else False
     batch_sizes = batch_sizes_per_bucket(targets, data, default_batch)
-    notes = merge_small_buckets(targets, batch_sizes) if drop_last else []
-    return DatasetPlan(scan, targets, batch_sizes, drop_last, notes)
+    notes = merge_small_buckets(targets, batch_sizes, world_size) if drop_last else []
+    return DatasetPlan(scan, targets, batch_sizes, drop_last, notes, world_size)
 
 
-def merge_small_buckets(targets: list[tuple[int, int]], batch_sizes: dict[tuple[int, int], int]) -> list[str]:
-    """With drop_last, a bucket smaller than its batch size would lose all its images: move them
-    (in place) to the bucket nearest in aspect ratio that fills a batch; say what happened."""
+def merge_small_buckets(targets: list[tuple[int, int]], batch_sizes: dict[tuple[int, int], int],
+                        world_size: int = 1) -> list[str]:
+    """With drop_last, a bucket smaller than its (global) batch size would lose all its images:
+    move them (in place) to the bucket nearest in aspect ratio that fills a batch; say so."""
     counts = Counter(targets)
     notes = []
-    for small in sorted(b for b in counts if counts[b] < batch_sizes[b]):
+    global_size = {bucket: size * world_size for bucket, size in batch_sizes.items()}
+    for small in sorted(b for b in counts if counts[b] < global_size[b]):
         label = (f"bucket {small[0]}x{small[1]}: {counts[small]} image(s), "
-                 f"fewer than its batch size {batch_sizes[small]}")
-        full = [b for b in counts if b != small and counts[b] >= batch_sizes[b]]
+                 f"fewer than its batch size {global_size[small]}")
+        full = [b for b in counts if b != small and counts[b] >= global_size[b]]
         if not full:
             notes.append(f"{label}: dropped (no other bucket to merge into)")
             continue

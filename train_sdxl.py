@@ -14,6 +14,7 @@ import contextlib
 import functools
 import json
 import math
+import os
 import secrets
 import shlex
 import signal
@@ -55,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    print(plan.preflight)
+    if os.environ.get("RANK", "0") == "0":  # one report, however many processes `accelerate launch` starts
+        print(plan.preflight)
     if args.dry_run:
         return EXIT_OK
     return train(config, plan)
@@ -79,7 +81,8 @@ def plan_run(config: Config) -> RunPlan:
     from sdxl_trainer.evaluator import eval_prompts
 
     prompts = eval_prompts(config)
-    data_plan = dataset.plan_dataset(config.data, config.training.batch_size)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch / torchrun
+    data_plan = dataset.plan_dataset(config.data, config.training.batch_size, world_size)
     if not data_plan.scan.images:
         raise ConfigError(f"data.image_dir = {config.data.image_dir!r}: no readable images found")
     total_steps = count_steps(config, data_plan.batches_per_epoch)
@@ -141,11 +144,15 @@ def describe_plan(config: Config, data_plan, total_steps: int) -> str:
                               ("text_encoder_2", config.model.train_text_encoder_2)) if on
     ]
     steps_per_epoch = data_plan.batches_per_epoch / config.training.grad_accum_steps
+    sizes = sorted(set(data_plan.batch_sizes.values()))
+    per_process = "/".join(str(size) for size in sizes)
+    global_batch = "/".join(str(size * data_plan.world_size * config.training.grad_accum_steps) for size in sizes)
     return "\n".join([
         f"run {config.run.name}: {mode} of {', '.join(trained)} on {config.model.id}",
         data_plan.report(),
-        f"steps: {total_steps} optimizer steps ({steps_per_epoch:g} per epoch, "
-        f"grad accumulation {config.training.grad_accum_steps})",
+        f"steps: {total_steps} optimizer steps ({steps_per_epoch:g} per epoch); global batch {global_batch} = "
+        f"{per_process} per process x {data_plan.world_size} process(es) x {config.training.grad_accum_steps} "
+        "accumulation",
         f"output: {config.output_dir}",
     ])
 
@@ -177,14 +184,14 @@ def cache_status(config: Config, data_plan) -> str:
 def train(config: Config, plan: RunPlan) -> int:
     import torch
     from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    from accelerate.utils import gather_object, set_seed
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
 
     import dataset
     from sdxl_trainer import outputs
-    from sdxl_trainer.checkpointing import Position, save_state, set_rng_state, soft_settings
-    from sdxl_trainer.diffusion import sample_timesteps
+    from sdxl_trainer.checkpointing import Position, rng_state, save_state, set_rng_state, soft_settings
+    from sdxl_trainer.diffusion import sample_draws
     from sdxl_trainer.ema import EMA
     from sdxl_trainer.evaluator import Evaluator, make_validation, validation_batches
     from sdxl_trainer.export import ExportError, export_after_training
@@ -195,16 +202,23 @@ def train(config: Config, plan: RunPlan) -> int:
     from sdxl_trainer.precision import plan_precision
 
     training, data_plan, total_steps = config.training, plan.data, plan.total_steps
-    accelerator = Accelerator(gradient_accumulation_steps=training.grad_accum_steps)
+    has_accelerator = torch.cuda.is_available() or torch.backends.mps.is_available()
+    # On a machine without GPUs, `accelerate launch` runs CPU processes that talk over gloo.
+    accelerator = Accelerator(gradient_accumulation_steps=training.grad_accum_steps, cpu=not has_accelerator)
+    if accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
+        accelerator.print(f"error: {accelerator.distributed_type.value} is not supported yet: saving sharded weights "
+                          "is not built; use plain data parallel (accelerate launch --multi_gpu)")
+        return EXIT_USAGE
     device = accelerator.device
     # Resuming keeps the interrupted run's seed: the data order and augmentation depend on it.
     seed = plan.resume[1]["seed"] if plan.resume else training.seed or secrets.randbelow(2**31 - 1) + 1
     set_seed(seed)
-    print(f"seed: {seed}{'' if training.seed or plan.resume else ' (drawn at random; set training.seed to repeat)'}")
+    accelerator.print(f"seed: {seed}"
+                      + ("" if training.seed or plan.resume else " (drawn at random; set training.seed to repeat)"))
     precision = plan_precision(config, device.type)
-    print(precision.table())
+    accelerator.print(precision.table())
 
-    pipe, noise_scheduler, cache, trainable = setup_models(config, plan, precision, device)
+    pipe, noise_scheduler, cache, trainable = setup_models(config, plan, precision, accelerator)
     optimizer = make_optimizer(config.optimizer, trainable.param_groups(), device.type,
                                bf16_weights=precision.components["unet"].trained == "bf16")
     lr_scheduler = make_lr_scheduler(optimizer, training, total_steps)
@@ -220,7 +234,13 @@ def train(config: Config, plan: RunPlan) -> int:
             ema.load_state_dict(state["ema"])
     modules = accelerator.prepare(*trainable.modules.values())
     optimizer, lr_scheduler = accelerator.prepare(optimizer, lr_scheduler)
-    unet = torch.compile(pipe.unet, **config.model.torch_compile_kwargs) if config.model.use_torch_compile else None
+    # Forward through the prepared modules (DDP wrappers under several processes): that is
+    # what synchronises the gradients. Saving and eval use the pipeline's own modules.
+    forward = dict(zip(trainable.modules, modules, strict=True))
+    unet = forward["unet"]
+    if config.model.use_torch_compile:
+        unet = torch.compile(unet, **config.model.torch_compile_kwargs)
+    text_encoders = [forward.get(name, getattr(pipe, name)) for name in ("text_encoder", "text_encoder_2")]
     autocast = torch.autocast(device.type, dtype=precision.torch_dtype(precision.compute),
                               enabled=precision.compute != "fp32")
     warmup_steps = schedule_settings(training).warmup_steps  # EMA starts when warmup ends
@@ -228,11 +248,21 @@ def train(config: Config, plan: RunPlan) -> int:
                      precision.uses_grad_scaler, consecutive=state["nan_skips"] if state else 0)
     soft = soft_settings(config, data_plan, total_steps)
 
-    def write_state(path: Path) -> None:
-        save_state(path, config, soft, position, optimizer, lr_scheduler, scaler, ema, guard.consecutive, seed)
-    print(trainable.describe())
+    def checkpoint(step: int) -> Path | None:
+        """Every process hands over its RNG state; the main process writes the checkpoint."""
+        rng_states = gather_object([rng_state()])
+        folder = None
+        if accelerator.is_main_process:
+            def write_state(path: Path) -> None:
+                save_state(path, config, soft, position, optimizer, lr_scheduler, scaler, ema, guard.consecutive,
+                           seed, rng_states)
+            folder = outputs.save_checkpoint(config, pipe, trainable, step, write_state)
+        accelerator.wait_for_everyone()
+        return folder
 
-    sampler = data_plan.sampler(seed)
+    accelerator.print(trainable.describe())
+
+    sampler = data_plan.sampler(seed, rank=accelerator.process_index)
     loader = DataLoader(
         dataset.ImageCaptionDataset(data_plan.scan.images, data_plan.targets, config.data, seed, cache),
         batch_sampler=sampler, collate_fn=dataset.collate, num_workers=config.data.num_workers,
@@ -251,10 +281,10 @@ def train(config: Config, plan: RunPlan) -> int:
         evaluator = Evaluator(config, pipe, plan.prompts, validation, loss_fn, list(modules), writer)
 
     started = time.time()
-    logged_losses, window_paths, window_timesteps, loss_warnings = [], [], [], []
+    logged_losses, window_paths, window_timesteps, loss_warnings, rank_checks = [], [], [], [], 0
     stop = StopRequest()
-    if state:
-        set_rng_state(state["rng"])  # from here on every draw is the one the interrupted run made next
+    if state:  # from here on every process draws what it would have drawn next
+        set_rng_state(state["rng"][accelerator.process_index % len(state["rng"])])
     progress = tqdm(total=total_steps, initial=position.step, desc="training", disable=not accelerator.is_main_process)
     try:
         while position.step < total_steps:
@@ -263,14 +293,18 @@ def train(config: Config, plan: RunPlan) -> int:
             for batch in loader:
                 # One micro-batch: forward and backward (gradients add up over grad_accum_steps).
                 position.batches_in_epoch += 1
-                timesteps = sample_timesteps(noise_scheduler, len(batch["captions"]), device)
+                height, width = batch["target_sizes"][0].tolist()
+                latent_shape = (len(batch["keys"]), pipe.unet.config.in_channels, height // 8, width // 8)
+                noise, timesteps, posterior_noise = sample_draws(
+                    batch["keys"], seed, noise_scheduler.config.num_train_timesteps, latent_shape, training.noise_offset
+                )
                 window_paths += batch["paths"]
                 window_timesteps += timesteps.tolist()
                 min_sigma = training.min_sigma if position.step >= training.min_sigma_warmup_steps else None
                 with accelerator.accumulate(*modules), autocast:
-                    loss = diffusion_loss(pipe, noise_scheduler, batch, device, training.noise_offset,
-                                          timesteps=timesteps, snr_gamma=training.snr_gamma,
-                                          min_sigma=min_sigma, unet=unet)
+                    loss = diffusion_loss(pipe, noise_scheduler, batch, device, noise=noise, timesteps=timesteps,
+                                          posterior_noise=posterior_noise, snr_gamma=training.snr_gamma,
+                                          min_sigma=min_sigma, unet=unet, text_encoders=text_encoders)
                     accelerator.backward(scaler.scale(loss))
                 epoch_losses.append(loss.detach())
                 if not accelerator.sync_gradients:
@@ -280,7 +314,7 @@ def train(config: Config, plan: RunPlan) -> int:
                 scaler.unscale_(optimizer)
                 grad_norm = torch.nn.utils.clip_grad_norm_(list(trainable.parameters()),
                                                            training.max_grad_norm or math.inf)
-                verdict = guard.check(loss, grad_norm, position.step + 1, window_paths)
+                verdict = guard.check(loss, grad_norm, position.step + 1, window_paths, accelerator)
                 if verdict == ABORT:
                     reason = "the loss or the gradients became NaN/Inf"
                     print(non_finite_report(position.step + 1, loss, window_paths, window_timesteps,
@@ -315,16 +349,22 @@ def train(config: Config, plan: RunPlan) -> int:
                     if writer:
                         outputs.log_step(writer, step, mean_loss, lr_scheduler.get_last_lr(),
                                          trainable.group_names, float(grad_norm), scaler, training.tensorboard)
+                if accelerator.num_processes > 1 and step % training.log_every == 0:
+                    check_ranks_agree(accelerator, trainable, step)
+                    rank_checks += 1
                 if evaluator and evaluator.due(step):
                     with ema.swapped_in() if ema and config.eval.use_ema else contextlib.nullcontext():
                         evaluator.live(step)
-                if stop.requested or (step % training.checkpoint_every == 0 and step < total_steps):
-                    checkpoint = outputs.save_checkpoint(config, pipe, trainable, step, write_state)
-                    if stop.requested:
-                        print(f"\ninterrupted: checkpoint saved at step {step}. Resume with:\n  "
-                              + resume_command(plan.command, checkpoint))
-                        return finish(config, f"interrupted at step {step}", position, started, seed, data_plan,
-                                      evaluator, guard, writer, EXIT_INTERRUPTED)
+                stopping = stop.agreed(accelerator)
+                if stopping or (step % training.checkpoint_every == 0 and step < total_steps):
+                    folder = checkpoint(step)
+                    if stopping:
+                        if accelerator.is_main_process:
+                            print(f"\ninterrupted: checkpoint saved at step {step}. Resume with:\n  "
+                                  + resume_command(plan.command, folder))
+                            finish(config, f"interrupted at step {step}", position, started, seed, data_plan,
+                                   evaluator, guard, writer, EXIT_INTERRUPTED)
+                        return EXIT_INTERRUPTED
                 if step >= total_steps:
                     break
             else:
@@ -339,6 +379,10 @@ def train(config: Config, plan: RunPlan) -> int:
         progress.close()
         stop.restore()
 
+    accelerator.wait_for_everyone()
+    if rank_checks:
+        accelerator.print(f"{accelerator.num_processes} processes held identical weights at all {rank_checks} checks")
+    final_rng = gather_object([rng_state()])
     if not accelerator.is_main_process:
         return EXIT_OK
     if ema is not None:
@@ -355,7 +399,8 @@ def train(config: Config, plan: RunPlan) -> int:
         print(f"error: {exc}; nothing was saved", file=sys.stderr)
         return finish(config, "aborted: non-finite weights", position, started, seed, data_plan, evaluator, guard,
                       writer, EXIT_FAILED)
-    write_state(config.state_path)
+    save_state(config.state_path, config, soft, position, optimizer, lr_scheduler, scaler, ema, guard.consecutive,
+               seed, final_rng)
     invalid = evaluator.final(position.step) if evaluator else 0
     if invalid:
         print(f"error: {invalid} final eval image(s) are invalid (see above)", file=sys.stderr)
@@ -364,8 +409,10 @@ def train(config: Config, plan: RunPlan) -> int:
     return finish(config, "completed", position, started, seed, data_plan, evaluator, guard, writer, EXIT_OK)
 
 
-def setup_models(config: Config, plan: RunPlan, precision, device):
-    """Load SDXL in the planned dtypes, cache latents, attach adapters (or unfreeze), audit."""
+def setup_models(config: Config, plan: RunPlan, precision, accelerator):
+    """Load SDXL in the planned dtypes, cache latents, attach adapters (or unfreeze), audit.
+    The main process goes first where files are written (the built-in model, the latent cache);
+    the others then find them done."""
     from safetensors.torch import load_file
 
     import dataset
@@ -377,13 +424,15 @@ def setup_models(config: Config, plan: RunPlan, precision, device):
     from sdxl_trainer.precision import audit, cast_trained_parameters, place_pipeline
     from sdxl_trainer.training_setup import prepare_trainable
 
+    device = accelerator.device
     resume_folder = plan.resume[0] if plan.resume else None
-    if resume_folder and config.adapter.type == "none":  # a full fine-tune continues from its own pipeline
-        pipe = load_pipeline(config.model.model_copy(update={"id": str(resume_folder), "vae": None}))
-    else:
-        pipe = load_pipeline(config.model)
+    with accelerator.main_process_first():
+        if resume_folder and config.adapter.type == "none":  # a full fine-tune continues from its pipeline
+            pipe = load_pipeline(config.model.model_copy(update={"id": str(resume_folder), "vae": None}))
+        else:
+            pipe = load_pipeline(config.model)
     place_pipeline(pipe, precision, device)
-    print(f"attention: {set_attention(pipe.unet, config.model.attention, device.type)}")
+    accelerator.print(f"attention: {set_attention(pipe.unet, config.model.attention, device.type)}")
     noise_scheduler = make_noise_scheduler(
         pipe.scheduler.config, config.training.prediction_type, config.training.zero_terminal_snr
     )
@@ -395,8 +444,9 @@ def setup_models(config: Config, plan: RunPlan, precision, device):
     cache = None
     if config.data.latent_cache.enabled:
         cache = make_latent_cache(config, vae_fingerprint(pipe.vae.state_dict().values()))
-        hits, built = dataset.build_latent_cache(plan.data, config.data, cache, pipe.vae, device)
-        print(f"latent cache: {hits} hits, {built} encoded now")
+        with accelerator.main_process_first():
+            hits, built = dataset.build_latent_cache(plan.data, config.data, cache, pipe.vae, device)
+        accelerator.print(f"latent cache: {hits} hits, {built} encoded now")
     trainable = prepare_trainable(pipe, config)
     if resume_folder and trainable.is_adapter:
         tensors = load_file(resume_folder / DIFFUSERS_WEIGHT_NAME)
@@ -428,9 +478,13 @@ def report_epoch(epoch: int, losses: list, step: int, warmup_steps: int, writer,
 
 def finish(config: Config, status: str, position, started: float, seed: int, data_plan,
            evaluator, guard, writer, code: int) -> int:
-    """Write run_summary.json, close TensorBoard and say where things are."""
+    """Write run_summary.json, close TensorBoard and say where things are (main process only)."""
+    from accelerate import PartialState
+
     from sdxl_trainer import outputs
 
+    if not PartialState().is_main_process:
+        return code
     outputs.write_summary(config, {
         "status": status, "steps": position.step, "epoch": position.epoch,
         "checkpoints": [str(path) for path in outputs.list_checkpoints(config.output_dir / "checkpoints")],
@@ -463,9 +517,32 @@ class StopRequest:
         print(f"\n{signal.Signals(signum).name}: finishing this step and saving a checkpoint "
               "(press Ctrl-C again to exit at once)", file=sys.stderr)
 
+    def agreed(self, accelerator) -> bool:
+        """Whether any process was asked to stop (they must all checkpoint at the same step)."""
+        if accelerator.num_processes == 1:
+            return self.requested
+        import torch
+
+        flag = torch.tensor([float(self.requested)], device=accelerator.device)
+        return bool(accelerator.reduce(flag, reduction="sum").item())
+
     def restore(self) -> None:
         for sig, handler in self.previous.items():
             signal.signal(sig, handler)
+
+
+def check_ranks_agree(accelerator, trainable, step: int) -> None:
+    """Under several processes, every rank must hold the same trained weights after a step (DDP's
+    promise): compare a checksum of them across ranks, cheaply, every `log_every` steps."""
+    import torch
+    from accelerate.utils import gather
+
+    params = list(trainable.parameters())
+    checksum = torch.stack([sum(p.detach().double().sum() for p in params),
+                            sum(p.detach().double().pow(2).sum() for p in params)]).to(accelerator.device)
+    sums = gather(checksum[None]).cpu()
+    if not torch.equal(sums, sums[:1].expand_as(sums)):
+        raise RuntimeError(f"processes hold different weights at step {step}: {sums.tolist()}")
 
 
 def resume_command(command: list[str], checkpoint: Path) -> str:
@@ -477,13 +554,15 @@ def resume_command(command: list[str], checkpoint: Path) -> str:
 
 def diffusion_loss(pipe, noise_scheduler, batch: dict, device, noise_offset: float = 0.0,
                    noise=None, timesteps=None, generator=None, snr_gamma: float | None = None,
-                   min_sigma: float | None = None, unet=None):
+                   min_sigma: float | None = None, unet=None, text_encoders=None, posterior_noise=None):
     """The SDXL denoising loss of one batch: the UNet's prediction against its target (noise or
     velocity), squared error in fp32, optionally min-SNR weighted.
 
     `noise`, `timesteps` and the `generator` of the VAE's posterior sample can be fixed by the
-    caller: the validation loss and the learning tests use the same draws every time. `unet` is a
-    compiled UNet when `model.use_torch_compile` is on.
+    caller: the validation loss and the learning tests use the same draws every time; training
+    passes per-sample draws (`sample_draws`), including the `posterior_noise` of the VAE sample.
+    `unet` and `text_encoders` are the modules to run forward: the distributed (DDP) or compiled
+    wrappers of the pipeline's own modules when there are any.
     """
     import torch
 
@@ -497,11 +576,16 @@ def diffusion_loss(pipe, noise_scheduler, batch: dict, device, noise_offset: flo
         with torch.no_grad(), torch.autocast(device.type if hasattr(device, "type") else str(device),
                                              enabled=False):
             pixels = batch["pixel_values"].to(device, dtype=vae.dtype)
-            latents = vae.encode(pixels).latent_dist.sample(generator=generator).float()
+            posterior = vae.encode(pixels).latent_dist
+            if posterior_noise is not None:
+                latents = (posterior.mean + posterior.std * posterior_noise.to(device, posterior.mean.dtype)).float()
+            else:
+                latents = posterior.sample(generator=generator).float()
     # One scaling factor, read from the VAE's own config, for encoding here and decoding at eval.
     latents = latents * vae.config.scaling_factor
     prompt_embeds, pooled_embeds = encode_prompts(
-        batch["captions"], [pipe.tokenizer, pipe.tokenizer_2], [pipe.text_encoder, pipe.text_encoder_2], device,
+        batch["captions"], [pipe.tokenizer, pipe.tokenizer_2],
+        text_encoders or [pipe.text_encoder, pipe.text_encoder_2], device,
         zero_empty=pipe.config.force_zeros_for_empty_prompt,
     )
     time_ids = add_time_ids(batch["original_sizes"], batch["crops_top_left"], batch["target_sizes"]).to(device)

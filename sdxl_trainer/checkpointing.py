@@ -115,7 +115,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------------------- save / load
 def save_state(path: Path, config: Config, soft: dict[str, Any], position: Position, optimizer, lr_scheduler,
-               scaler, ema, nan_skips: int, seed: int) -> None:
+               scaler, ema, nan_skips: int, seed: int, rng_states: list[dict[str, Any]]) -> None:
+    """Write the trainer state atomically; `rng_states` holds one `rng_state()` per process."""
     import torch
 
     state = {
@@ -130,7 +131,7 @@ def save_state(path: Path, config: Config, soft: dict[str, Any], position: Posit
         "scaler": scaler.state_dict(),
         "ema": ema.state_dict() if ema is not None else None,
         "nan_skips": nan_skips,
-        "rng": rng_state(),
+        "rng": rng_states,
     }
     with atomic_path(path) as tmp:
         torch.save(state, tmp)

@@ -82,3 +82,30 @@ def loss_weights(
         return clipped / (ratio + 1.0)
     # Zero-terminal-SNR schedules have SNR = 0 at the last step; keep its weight finite.
     return clipped / ratio.clamp(min=1e-8)
+
+
+def sample_draws(keys: list[tuple[int, int]], seed: int, num_train_timesteps: int, latent_shape: tuple[int, ...],
+                 noise_offset: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(noise, timesteps, posterior noise) for a batch, each sample from its own generator seeded
+    by (seed, image, epoch).
+
+    The draws of an image never depend on which other images share its batch, how many processes
+    split the global batch, or whether the run was resumed: one process with batch 4 and two with
+    batch 2 train on exactly the same noise.
+    """
+    import hashlib
+
+    import torch
+
+    noises, timesteps, posteriors = [], [], []
+    channels = latent_shape[1]
+    for index, epoch in keys:
+        digest = hashlib.sha256(f"{seed}-{index}-{epoch}".encode()).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+        timesteps.append(torch.randint(0, num_train_timesteps, (1,), generator=generator))
+        noise = torch.randn(latent_shape[1:], generator=generator)
+        if noise_offset:
+            noise = noise + noise_offset * torch.randn((channels, 1, 1), generator=generator)
+        noises.append(noise)
+        posteriors.append(torch.randn(latent_shape[1:], generator=generator))
+    return torch.stack(noises), torch.cat(timesteps), torch.stack(posteriors)

@@ -26,11 +26,15 @@ class NaNGuard:
     consecutive: int = 0
     events: list[dict] = field(default_factory=list)
 
-    def check(self, loss: torch.Tensor, grad_norm: torch.Tensor, step: int, paths: list[str]) -> str:
+    def check(self, loss: torch.Tensor, grad_norm: torch.Tensor, step: int, paths: list[str],
+              accelerator=None) -> str:
+        """The verdict for this step; under several processes all ranks reach the same one."""
         import torch
 
-        finite = torch.stack([torch.isfinite(loss.detach().float()), torch.isfinite(grad_norm.float())]).tolist()
-        loss_ok, grads_ok = finite
+        finite = torch.stack([torch.isfinite(loss.detach().float()), torch.isfinite(grad_norm.float())]).float()
+        if accelerator is not None and accelerator.num_processes > 1:
+            finite = accelerator.reduce(finite, reduction="sum") / accelerator.num_processes
+        loss_ok, grads_ok = (finite == 1.0).tolist()
         if loss_ok and grads_ok:
             self.consecutive = 0
             return OK

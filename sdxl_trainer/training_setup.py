@@ -69,12 +69,16 @@ def prepare_trainable(pipe: StableDiffusionXLPipeline, config: Config) -> Traina
     modules = {}
     for name in wanted:
         module = getattr(pipe, name)
+        unused = unused_prefixes(name, module)
         if config.adapter.type == "none":
             module.requires_grad_(True)
+            for param_name, param in module.named_parameters():
+                if param_name.startswith(unused):
+                    param.requires_grad_(False)
         else:
             targets = (unet_target_modules(module, config.adapter.targets) if name == "unet"
                        else text_encoder_target_modules(module, config.adapter.targets))
-            attach_adapter(module, config.adapter, targets)
+            attach_adapter(module, config.adapter, [t for t in targets if not t.startswith(unused)])
         if model.use_gradient_checkpointing:
             if name == "unet":
                 module.enable_gradient_checkpointing()
@@ -83,3 +87,17 @@ def prepare_trainable(pipe: StableDiffusionXLPipeline, config: Config) -> Traina
         module.train()
         modules[name] = module
     return Trainable(modules, wanted, config.adapter.type)
+
+
+def unused_prefixes(name: str, module: torch.nn.Module) -> tuple[str, ...]:
+    """Parameters SDXL never uses, so they get no gradient and are not trained: CLIP-L's last
+    layer and final norm (SDXL reads its penultimate hidden state and no pooled output). Training
+    them would waste memory, and under DDP an unused parameter is an error."""
+    if name != "text_encoder":
+        return ()
+    last = module.config.num_hidden_layers - 1
+    prefixes = []
+    for candidate in ("text_model.", ""):
+        if any(key.startswith(f"{candidate}encoder.layers.{last}.") for key, _ in module.named_parameters()):
+            prefixes += [f"{candidate}encoder.layers.{last}.", f"{candidate}final_layer_norm."]
+    return tuple(prefixes)
