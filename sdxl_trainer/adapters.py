@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .atomic import FILE_MODE
 from .config import AdapterConfig
 
 if TYPE_CHECKING:
@@ -147,5 +148,6 @@ def save_diffusers_adapter(output_dir: str | os.PathLike[str], components: dict[
         StableDiffusionXLPipeline.save_lora_weights(
             tmp, weight_name=DIFFUSERS_WEIGHT_NAME, safe_serialization=True, **layers, **metadata
         )
+        os.chmod(Path(tmp) / DIFFUSERS_WEIGHT_NAME, FILE_MODE)  # as any other output, not private
         os.replace(Path(tmp) / DIFFUSERS_WEIGHT_NAME, destination)
     return destination

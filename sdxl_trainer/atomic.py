@@ -18,6 +18,7 @@ from typing import Any
 # mkstemp/mkdtemp create private (0600/0700) entries; finished outputs get the usual permissions.
 _UMASK = os.umask(0)
 os.umask(_UMASK)
+FILE_MODE = 0o666 & ~_UMASK
 
 
 @contextlib.contextmanager
@@ -31,7 +32,7 @@ def atomic_path(destination: str | os.PathLike[str]) -> Iterator[Path]:
     try:
         yield tmp
         _fsync_file(tmp)
-        os.chmod(tmp, 0o666 & ~_UMASK)
+        os.chmod(tmp, FILE_MODE)
         os.replace(tmp, destination)
     finally:
         tmp.unlink(missing_ok=True)
