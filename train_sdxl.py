@@ -13,7 +13,6 @@ import argparse
 import contextlib
 import functools
 import json
-import math
 import os
 import secrets
 import shlex
@@ -261,6 +260,7 @@ def train(config: Config, plan: RunPlan) -> int:
         return folder
 
     accelerator.print(trainable.describe())
+    trained_params = list(trainable.parameters())  # built once: the step loop needs it every step
 
     sampler = data_plan.sampler(seed, rank=accelerator.process_index)
     loader = DataLoader(
@@ -312,8 +312,10 @@ def train(config: Config, plan: RunPlan) -> int:
 
                 # One optimizer step: unscale, clip, check for NaN/Inf, step.
                 scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(list(trainable.parameters()),
-                                                           training.max_grad_norm or math.inf)
+                if training.max_grad_norm:
+                    grad_norm = torch.nn.utils.clip_grad_norm_(trained_params, training.max_grad_norm)
+                else:  # the norm alone (logging, NaN check): no multiply-by-one over every gradient
+                    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in trained_params if p.grad is not None])
                 verdict = guard.check(loss, grad_norm, position.step + 1, window_paths, accelerator)
                 if verdict == ABORT:
                     reason = "the loss or the gradients became NaN/Inf"
