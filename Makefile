@@ -17,4 +17,4 @@ quickstart:
 	$(PYTHON) train_sdxl.py --config configs/quickstart.json
 
 bench:
-	$(PYTHON) bench/bench_data.py
+	$(PYTHON) bench/run_all.py

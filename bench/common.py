@@ -1,10 +1,15 @@
-"""Helpers for the benchmarks: timing and writing results as JSON plus a markdown table."""
+"""Helpers for the benchmarks: timing, memory high-water marks, child processes, and writing
+results as JSON plus a markdown table."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -12,7 +17,9 @@ from typing import Any
 
 from sdxl_trainer.atomic import write_json, write_text
 
-RESULTS = Path(__file__).resolve().parent / "results"
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+RESULTS = BENCH / "results"
 
 
 def best_of(function: Callable[[], Any], repeats: int = 3) -> float:
@@ -25,30 +32,87 @@ def best_of(function: Callable[[], Any], repeats: int = 3) -> float:
     return min(times)
 
 
+def bench_args(description: str, argv: list[str] | None = None,
+               extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    """The command line every benchmark shares: `--smoke` (seconds, for the tests) and `--results-dir`."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--smoke", action="store_true", help="a tiny run that only checks the code path works")
+    parser.add_argument("--results-dir", type=Path, default=RESULTS, help=f"where results go (default {RESULTS})")
+    if extra:
+        extra(parser)
+    return parser.parse_args(argv)
+
+
+def quiet_env() -> dict[str, str]:
+    """Environment for child processes: offline, no library chatter, the repo importable."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "DIFFUSERS_VERBOSITY": "error",
+            "PYTHONPATH": str(ROOT)}
+
+
+def proc_status_kib(field: str) -> int:
+    """A `/proc/self/status` value in KiB (VmRSS: resident now, VmHWM: the resident high-water mark)."""
+    with open("/proc/self/status", encoding="ascii") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def reset_peak_rss() -> None:
+    """Set VmHWM back to the current RSS (Linux ≥ 4.0), so a later VmHWM is the peak of what follows."""
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as handle:
+        handle.write("5")
+
+
+def run_measured(args: list[str], cwd: Path = ROOT) -> tuple[float, int]:
+    """Run `python <args>` in a fresh interpreter; return (wall seconds, the child's peak RSS in bytes).
+
+    The peak comes from the child's own VmHWM (bench/peak_rss.py reads it at exit). getrusage's
+    ru_maxrss is no good here: subprocess starts children with vfork, and the kernel then carries
+    the parent's high-water mark into the child's.
+    """
+    with tempfile.TemporaryDirectory() as tmp:
+        report, log = Path(tmp) / "peak.txt", Path(tmp) / "log.txt"
+        command = [sys.executable, str(BENCH / "peak_rss.py"), str(report), *args]
+        start = time.perf_counter()
+        with open(log, "wb") as output:
+            code = subprocess.call(command, cwd=cwd, env=quiet_env(), stdout=output, stderr=subprocess.STDOUT)
+        seconds = time.perf_counter() - start
+        if code != 0:
+            raise RuntimeError(f"{' '.join(args)} failed ({code}):\n{log.read_text(errors='replace')[-3000:]}")
+        return seconds, int(report.read_text()) * 1024
+
+
 def machine() -> dict[str, Any]:
     import torch
 
     return {
         "cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
         "torch": torch.__version__, "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "torch_threads": torch.get_num_threads(), "load_average": [round(x, 2) for x in os.getloadavg()],
     }
 
 
-def write_results(name: str, rows: list[dict[str, Any]], notes: str = "") -> Path:
-    """bench/results/<name>.json and <name>.md: one row per measurement."""
-    data = {"benchmark": name, "machine": machine(), "rows": rows, "notes": notes}
-    write_json(RESULTS / f"{name}.json", data)
+def write_results(name: str, rows: list[dict[str, Any]], notes: str = "", results_dir: Path = RESULTS,
+                  extra: dict[str, Any] | None = None) -> Path:
+    """<results_dir>/<name>.json and <name>.md: one row per measurement (plus `extra` in the JSON)."""
+    data = {"benchmark": name, "machine": machine(), "rows": rows, "notes": notes, **(extra or {})}
+    write_json(results_dir / f"{name}.json", data)
+    about = data["machine"]
     columns = list(rows[0])
-    lines = [f"### {name}", "", f"Machine: {data['machine']['cpu_count']} CPU cores, torch {data['machine']['torch']}"
-             + (f", {data['machine']['cuda']}" if data["machine"]["cuda"] else ""), ""]
+    lines = [f"### {name}", "", f"Machine: {about['cpu_count']} CPU cores, torch {about['torch']}"
+             + (f", {about['cuda']}" if about["cuda"] else "")
+             + f"; load average at the end {about['load_average'][0]:g}", ""]
     lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_cell(row[c]) for c in columns) + " |" for row in rows]
     if notes:
         lines += ["", notes]
-    write_text(RESULTS / f"{name}.md", "\n".join(lines) + "\n")
+    write_text(results_dir / f"{name}.md", "\n".join(lines) + "\n")
     print(json.dumps(data, indent=2))
-    return RESULTS / f"{name}.md"
+    return results_dir / f"{name}.md"
 
 
 def _cell(value: Any) -> str:
+    if value is None:
+        return ""
     return f"{value:.3g}" if isinstance(value, float) else str(value)

@@ -1,0 +1,288 @@
+"""Full-size SDXL training step on a CUDA GPU: random weights (no download), bf16, 1024² images
+(128×128 latents), DoRA rank 32 and full fine-tuning, batch 1 and a larger batch, gradient
+checkpointing off and on. Measures it/s, images/s, peak VRAM and model-FLOPs utilisation (MFU).
+
+    python bench/gpu_sdxl.py                        # on a CUDA machine
+    python bench/gpu_sdxl.py --batch-sizes 1 8      # other batch sizes
+    python bench/gpu_sdxl.py --smoke                # CPU, the tiny model, seconds: checks the code path
+
+The step is the trainer's own: its precision plan and casts, `prepare_trainable` (peft DoRA or
+unfrozen weights), `make_optimizer`, `diffusion_loss` (both text encoders run every step, as in
+training), then what `train()` does per optimizer step: gradient norm, NaN guard (one host sync),
+optimizer step, zero_grad, LR schedule. Data loading is not in it (latents are given).
+
+FLOPs per step are counted by torch.utils.flop_counter.FlopCounterMode on one real forward and
+backward pass of the same model (matmuls, convolutions and PyTorch SDPA attention), with gradient
+checkpointing off, so MFU counts model FLOPs, not recomputation. Attention is PyTorch SDPA (which
+picks FlashAttention kernels itself), because the counter cannot see inside the flash_attn package.
+MFU = FLOPs per step × steps per second / the GPU's dense bf16 peak (table below, or --peak-tflops).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import bench_args, proc_status_kib, write_results
+
+# Dense (no sparsity) bf16 tensor-core peaks from the vendor datasheets, in TFLOPS; the first name
+# contained in torch.cuda.get_device_name() wins.
+PEAK_BF16_TFLOPS = (
+    ("H200 NVL", 835.0), ("H200", 989.0), ("H100 NVL", 835.0), ("H100 PCIe", 756.0), ("H100", 989.0),
+    ("B200", 2250.0), ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0),
+)
+CAPTION = "a photo of a red circle on a blue background"
+
+
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-sizes", type=int, nargs="+", help="default: 1 4 (smoke: 1 2)")
+    parser.add_argument("--steps", type=int, help="timed steps per configuration (default 10; smoke 1)")
+    parser.add_argument("--warmup", type=int, help="untimed steps first (default 3; smoke 0)")
+    parser.add_argument("--rank", type=int, help="DoRA rank (default 32; smoke 4)")
+    parser.add_argument("--modes", nargs="+", choices=("dora", "none"), default=["dora", "none"],
+                        help="dora and/or none (full fine-tune)")
+    parser.add_argument("--optimizer", choices=("adamw8bit", "adamw", "adafactor"),
+                        help="default: adamw8bit, the trainer's default (smoke: adamw)")
+    parser.add_argument("--text-encoder", action="store_true", help="also train CLIP-L (default: UNet only)")
+    parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, if not in the table")
+
+
+def peak_tflops(device_name: str | None, given: float | None) -> float | None:
+    if given:
+        return given
+    return next((peak for name, peak in PEAK_BF16_TFLOPS if device_name and name in device_name), None)
+
+
+def build_pipeline(smoke: bool, device):
+    """The SDXL pipeline: the built-in tiny one (--smoke) or the full-size architecture with random
+    weights created on the device. Tokenizers and scheduler come from the tiny model (the tokens'
+    ids differ from CLIP's, the cost of a step does not: prompts are padded to 77 tokens)."""
+    from diffusers import StableDiffusionXLPipeline
+
+    from bench.sdxl_arch import sdxl_modules
+    from sdxl_trainer.tiny_model import build_tiny_sdxl_pipeline
+
+    tiny = build_tiny_sdxl_pipeline()
+    if smoke:
+        return tiny
+    return StableDiffusionXLPipeline(**{**tiny.components, **sdxl_modules(device, tokenizer=tiny.tokenizer)})
+
+
+class TrainerStep:
+    """One optimizer step as train() runs it, on a pipeline set up by the trainer's own functions."""
+
+    def __init__(self, pipe, mode: str, args: argparse.Namespace, device) -> None:
+        import torch
+
+        from sdxl_trainer.attention import set_attention
+        from sdxl_trainer.config import validate_config
+        from sdxl_trainer.diffusion import make_noise_scheduler
+        from sdxl_trainer.lr_schedule import make_lr_scheduler
+        from sdxl_trainer.nan_guard import NaNGuard
+        from sdxl_trainer.optimizers import make_optimizer
+        from sdxl_trainer.precision import audit, cast_trained_parameters, place_pipeline, plan_precision
+        from sdxl_trainer.training_setup import prepare_trainable
+
+        self.config = config = validate_config({
+            "model": {"id": "builtin:tiny-sdxl", "train_text_encoder_1": args.text_encoder,
+                      "use_gradient_checkpointing": False, "attention": "sdpa"},
+            "adapter": {"type": mode, "rank": args.rank, "alpha": args.rank},
+            "run": {"name": "gpu_sdxl"},
+            "training": {"num_steps": 10**6, "mixed_precision": "bf16", "lr_unet": 1e-5,
+                         "lr_text_encoder_1": 1e-5 if args.text_encoder else None},
+            "optimizer": {"type": args.optimizer},
+        })
+        self.precision = precision = plan_precision(config, device.type)
+        place_pipeline(pipe, precision, device)
+        set_attention(pipe.unet, config.model.attention, device.type)
+        self.noise_scheduler = make_noise_scheduler(pipe.scheduler.config, None, False)
+        self.trainable = trainable = prepare_trainable(pipe, config)
+        cast_trained_parameters(trainable.modules, precision)
+        audit(pipe, precision, adapter=trainable.is_adapter)
+        self.optimizer = make_optimizer(config.optimizer, trainable.param_groups(), device.type,
+                                        bf16_weights=precision.components["unet"].trained == "bf16")
+        self.lr_scheduler = make_lr_scheduler(self.optimizer, config.training, 10**6)
+        self.guard = NaNGuard("abort", 0, precision.uses_grad_scaler)
+        self.parameters = list(trainable.parameters())
+        self.autocast = torch.autocast(device.type, dtype=precision.torch_dtype(precision.compute),
+                                       enabled=precision.compute != "fp32")
+        self.pipe, self.device, self.step_index = pipe, device, 0
+
+    def checkpointing(self, on: bool) -> None:
+        """Gradient checkpointing on or off, with the calls prepare_trainable uses."""
+        for name, module in self.trainable.modules.items():
+            if name == "unet":
+                module.enable_gradient_checkpointing() if on else module.disable_gradient_checkpointing()
+            else:
+                module.gradient_checkpointing_enable() if on else module.gradient_checkpointing_disable()
+
+    def batch(self, size: int, latent_side: int) -> dict[str, Any]:
+        """A batch as the data loader delivers it from the latent cache (on the CPU)."""
+        import torch
+
+        side = torch.tensor([[latent_side * 8, latent_side * 8]] * size)
+        return {"latents": torch.randn(size, 4, latent_side, latent_side), "captions": [CAPTION] * size,
+                "original_sizes": side, "crops_top_left": torch.zeros(size, 2, dtype=torch.long),
+                "target_sizes": side, "paths": [f"image_{i}.png" for i in range(size)]}
+
+    def forward_backward(self, batch: dict[str, Any]):
+        """The loss of one batch (random noise and timesteps, as in training) and its gradients."""
+        import torch
+
+        from train_sdxl import diffusion_loss
+
+        latents = batch["latents"]
+        noise = torch.randn(latents.shape, device=self.device)
+        timesteps = torch.randint(0, self.noise_scheduler.config.num_train_timesteps, (latents.shape[0],),
+                                  device=self.device)
+        with self.autocast:
+            loss = diffusion_loss(self.pipe, self.noise_scheduler, batch, self.device, noise=noise, timesteps=timesteps)
+        loss.backward()
+        return loss
+
+    def __call__(self, batch: dict[str, Any]) -> None:
+        import torch
+
+        from sdxl_trainer.nan_guard import OK
+
+        self.step_index += 1
+        loss = self.forward_backward(batch)
+        if self.config.training.max_grad_norm:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, self.config.training.max_grad_norm)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.parameters if p.grad is not None])
+        if self.guard.check(loss, grad_norm, self.step_index, batch["paths"]) != OK:
+            raise RuntimeError(f"non-finite loss or gradients at step {self.step_index}")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.lr_scheduler.step()
+
+
+def count_flops(step: TrainerStep, batch: dict[str, Any]) -> float:
+    """FLOPs of one forward and backward pass, counted by PyTorch's FLOP counter (the optimizer's
+    elementwise update is not model FLOPs); the gradients are then dropped."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        step.forward_backward(batch)
+    step.optimizer.zero_grad(set_to_none=True)
+    return float(counter.get_total_flops())
+
+
+def synchronize(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(step: TrainerStep, batch: dict[str, Any], warmup: int, steps: int) -> dict[str, float]:
+    """Seconds per step over `steps` steps after `warmup`, and the peak memory meanwhile (CUDA: the
+    allocator's peak, weights and optimizer state included; CPU: the process's RSS high-water mark)."""
+    import torch
+
+    for _ in range(warmup):
+        step(batch)
+    synchronize(step.device)
+    if step.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(step.device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step(batch)
+    synchronize(step.device)
+    seconds = (time.perf_counter() - start) / steps
+    if step.device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(step.device)
+    else:
+        peak = proc_status_kib("VmHWM") * 1024
+    return {"seconds": seconds, "peak_memory_GB": peak / 1e9}
+
+
+def run_mode(mode: str, args: argparse.Namespace, device, peak: float | None) -> list[dict[str, Any]]:
+    """Every batch size with checkpointing off, then on, for one training mode (one model build)."""
+    import torch
+
+    pipe = build_pipeline(args.smoke, device)
+    step = TrainerStep(pipe, mode, args, device)
+    latent_side = 8 if args.smoke else 128
+    label = f"DoRA rank {args.rank}" if mode == "dora" else "full"
+    rows, flops = [], {}
+    for checkpointing in (False, True):
+        step.checkpointing(checkpointing)
+        for size in args.batch_sizes:
+            row: dict[str, Any] = {"mode": label, "batch": size, "grad_ckpt": "on" if checkpointing else "off",
+                                   "it_per_s": None, "images_per_s": None, "peak_memory_GB": None,
+                                   "TFLOP_per_step": None, "achieved_TFLOPS": None, "MFU_percent": None, "status": "ok"}
+            batch = step.batch(size, latent_side)
+            try:
+                measured = measure(step, batch, args.warmup, args.steps)
+                if size not in flops:  # model FLOPs: counted without recomputation when that fits
+                    flops[size] = (count_flops(step, batch), checkpointing)
+            except torch.cuda.OutOfMemoryError:
+                measured = None
+            if measured is None or size not in flops:  # out of memory (the traceback's tensors are gone now)
+                row["status"] = "out of memory"
+                rows.append(row)
+                step.optimizer.zero_grad(set_to_none=True)
+                gc.collect()
+                torch.cuda.empty_cache()
+                continue
+            count, with_recompute = flops[size]
+            achieved = count / measured["seconds"] / 1e12
+            row.update({"it_per_s": 1 / measured["seconds"], "images_per_s": size / measured["seconds"],
+                        "peak_memory_GB": measured["peak_memory_GB"], "TFLOP_per_step": count / 1e12,
+                        "achieved_TFLOPS": achieved, "MFU_percent": 100 * achieved / peak if peak else None})
+            if with_recompute:
+                row["status"] = "FLOPs include recomputation"
+            rows.append(row)
+            print(row, flush=True)
+    del step, pipe
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    args = bench_args(__doc__.splitlines()[0], argv, options)
+    smoke = args.smoke
+    args.batch_sizes = args.batch_sizes or ([1, 2] if smoke else [1, 4])
+    args.steps = args.steps or (1 if smoke else 10)
+    args.warmup = args.warmup if args.warmup is not None else (0 if smoke else 3)
+    args.rank = args.rank or (4 if smoke else 32)
+    args.optimizer = args.optimizer or ("adamw" if smoke else "adamw8bit")
+    if not smoke and not torch.cuda.is_available():
+        print("error: bench/gpu_sdxl.py needs a CUDA GPU (use --smoke to check it on the CPU)", file=sys.stderr)
+        return 2
+    if smoke:  # one thread: with two on a busy 2-core machine every small op can wait on a descheduled one
+        torch.set_num_threads(1)
+    device = torch.device("cpu" if smoke else "cuda")
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    peak = peak_tflops(device_name, args.peak_tflops)
+    torch.manual_seed(0)
+    rows = [row for mode in args.modes for row in run_mode(mode, args, device, peak)]
+    what = "the built-in tiny SDXL on the CPU, 64² images (smoke test, not a measurement)" if smoke else (
+        "full-size SDXL (UNet 2.6 B parameters, CLIP-L, bigG) with random weights, 1024² images")
+    notes = (
+        f"{what}; bf16 autocast (trained weights fp32), optimizer {args.optimizer}, UNet"
+        f"{' + CLIP-L' if args.text_encoder else ''} trained, attention: PyTorch SDPA. {args.steps} timed steps "
+        f"after {args.warmup} warm-up steps. peak_memory_GB: torch.cuda.max_memory_allocated over the timed steps "
+        "(weights, optimizer state and activations; CPU: the process's RSS high-water mark). TFLOP_per_step: "
+        "FlopCounterMode on one step with checkpointing off (model FLOPs, used for the checkpointed rows too). "
+        f"MFU against {f'{peak:g} TFLOPS dense bf16' if peak else 'no known peak (pass --peak-tflops)'}."
+    )
+    write_results("gpu_sdxl_smoke" if smoke else "gpu_sdxl", rows, notes, args.results_dir,
+                  extra={"device": device_name or "cpu", "peak_tflops": peak})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Run every CPU benchmark and write bench/results/<name>.json and <name>.md for each.
+
+    python bench/run_all.py            # the README's Performance tables (under 10 minutes on 2 cores)
+    python bench/run_all.py --smoke    # seconds per benchmark: only checks that each still runs
+
+Each benchmark runs in its own interpreter, so that one's threads, memory and imports cannot
+colour the next (--smoke runs them all in this one, to save the start-ups). The built-in tiny
+model is read from, or built on first use in, SDXL_TRAINER_CACHE (default ~/.cache/sdxl_trainer),
+as the quickstart does; everything else goes to temporary folders that are removed afterwards.
+The GPU benchmark (bench/gpu_sdxl.py) is not run here: it needs a CUDA machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import BENCH, bench_args, quiet_env
+
+BENCHMARKS = ("bench_step", "bench_data", "bench_convert", "bench_startup")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = bench_args(__doc__.splitlines()[0], argv)
+    started, load = time.perf_counter(), os.getloadavg()[0]
+    for name in BENCHMARKS:
+        start = time.perf_counter()
+        options = ["--results-dir", str(args.results_dir)]
+        if args.smoke:
+            with contextlib.redirect_stdout(io.StringIO()):
+                importlib.import_module(f"bench.{name}").main([*options, "--smoke"])
+        else:
+            subprocess.run([sys.executable, str(BENCH / f"{name}.py"), *options], env=quiet_env(), check=True,
+                           stdout=subprocess.DEVNULL)
+        print(f"{name}: {time.perf_counter() - start:.0f} s -> {args.results_dir / name.removeprefix('bench_')}.md",
+              flush=True)
+    print(f"all benchmarks: {time.perf_counter() - started:.0f} s; load average {load:.2f} at the start, "
+          f"{os.getloadavg()[0]:.2f} at the end")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

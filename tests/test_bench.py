@@ -1,0 +1,67 @@
+"""The benchmarks must keep running: each one's smoke mode, in a fresh interpreter, writes results
+whose measurements are finite and positive. Timings are never asserted here (bench/ measures)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers import ROOT
+
+
+def run_bench(script: str, results: Path, *args: str) -> None:
+    """`python bench/<script> --smoke` as a user runs it (the tiny model comes from the test cache)."""
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--smoke", "--results-dir", str(results),
+                             *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def rows_of(path: Path) -> list[dict]:
+    data = json.loads(path.read_text(encoding="utf-8"))
+    assert data["machine"]["torch"] and len(data["machine"]["load_average"]) == 3
+    assert (path.with_suffix(".md")).read_text(encoding="utf-8").startswith(f"### {data['benchmark']}")
+    return data["rows"]
+
+
+def assert_positive(row: dict, *fields: str) -> None:
+    for field in fields:
+        value = row[field]
+        assert isinstance(value, float | int) and math.isfinite(value) and value > 0, (field, row)
+
+
+def test_gpu_benchmark_smoke_runs_on_the_cpu(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
+    run_bench("gpu_sdxl.py", tmp_path, "--peak-tflops", "1")
+    rows = rows_of(tmp_path / "gpu_sdxl_smoke.json")
+    assert {(r["mode"], r["batch"], r["grad_ckpt"]) for r in rows} == {
+        (mode, batch, ckpt) for mode in ("DoRA rank 4", "full") for batch in (1, 2) for ckpt in ("off", "on")}
+    for row in rows:
+        assert row["status"] == "ok"
+        assert_positive(row, "it_per_s", "images_per_s", "peak_memory_GB", "TFLOP_per_step", "achieved_TFLOPS",
+                        "MFU_percent")
+
+
+def test_cpu_benchmarks_smoke(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
+    run_bench("run_all.py", tmp_path)
+
+    step = {row["step"]: row for row in rows_of(tmp_path / "step.json")}
+    assert any(name.startswith("bare loop") for name in step)
+    for name, row in step.items():
+        assert_positive(row, "ms_per_step", "vs_bare")
+        if name.startswith("train_sdxl.train()"):
+            assert_positive(row, "trainable_params_M")
+    assert_positive(step["train_sdxl.train(), DoRA rank 4"], "peak_rss_MB")
+
+    for row in rows_of(tmp_path / "data.json"):
+        assert_positive(row, "seconds", "images_per_s")
+
+    convert = rows_of(tmp_path / "convert.json")
+    assert len(convert) == 2  # the copy and the converter (--smoke leaves out --half)
+    for row in convert:
+        assert_positive(row, "seconds", "vs_copy", "MB_per_s", "peak_rss_MB")
+
+    startup = {row["command"]: row for row in rows_of(tmp_path / "startup.json")}
+    for name in ("train_sdxl.py --help", "train_sdxl.py --dry-run (quickstart)"):
+        assert_positive(startup[name], "seconds", "peak_rss_MB")
