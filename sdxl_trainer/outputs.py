@@ -106,11 +106,27 @@ def open_tensorboard(config: Config, preflight: str):
     if not config.training.tensorboard.enabled:
         return None
     from torch.utils.tensorboard import SummaryWriter
+    from torch.utils.tensorboard.summary import hparams
 
     writer = SummaryWriter(log_dir=str(config.tensorboard_dir))
     writer.add_text("run/config", "```json\n" + json.dumps(config.resolved(), indent=2) + "\n```", 0)
     writer.add_text("run/preflight", "```\n" + preflight + "\n```", 0)
+    # The HParams tab: this run's main settings beside its loss, comparable across runs.
+    for summary in hparams(run_hparams(config), {"train/loss": float("nan")}):
+        writer.file_writer.add_summary(summary)
     return writer
+
+
+def run_hparams(config: Config) -> dict[str, Any]:
+    training, adapter = config.training, config.adapter
+    return {
+        "adapter": adapter.type, "rank": adapter.rank, "alpha": adapter.alpha, "precision": config.precision,
+        "lr_unet": training.lr_unet, "lr_text_encoder_1": training.lr_text_encoder_1 or 0.0,
+        "optimizer": config.optimizer.type, "grad_accum_steps": training.grad_accum_steps,
+        "batch_size": config.data.bucket.batch_size if config.data.bucket.enabled else training.batch_size,
+        "snr_gamma": training.snr_gamma or 0.0, "noise_offset": training.noise_offset,
+        "lr_schedule": training.lr_scheduler.type if training.lr_scheduler else "constant",
+    }
 
 
 def log_step(writer, step: int, loss: float, learning_rates: list[float], group_names: list[str],

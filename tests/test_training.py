@@ -104,6 +104,8 @@ def test_tensorboard_event_file_holds_the_training_scalars(dora_run: Path) -> No
     assert [event.step for event in losses] == [2, 4, 6]
     assert all(0.0 < event.value < 10.0 for event in losses)
     assert events.Scalars("lr/unet")[-1].value == pytest.approx(1e-3)
+    assert "run/preflight/text_summary" in events.Tags()["tensors"]  # text is stored as tensors
+    assert "_hparams_/session_start_info" in events.PluginTagToContent("hparams")
 
 
 def test_same_seed_gives_identical_weights(tmp_path: Path, dora_run: Path) -> None:
