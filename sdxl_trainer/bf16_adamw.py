@@ -8,8 +8,6 @@ lower neighbour — keeps every update in expectation. The Adam moments stay in 
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 
@@ -55,8 +53,3 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                 param.copy_(stochastic_round_to_bf16(weight) if param.dtype == torch.bfloat16 else weight)
         return loss
 
-
-def update_is_below_bf16_resolution(value: float, update: float) -> bool:
-    """True when round-to-nearest would lose `update` on `value` entirely (for messages and tests)."""
-    spacing = 2.0 ** (math.floor(math.log2(abs(value))) - 7)
-    return abs(update) < spacing / 2
