@@ -468,7 +468,8 @@ def build_latent_cache(plan: DatasetPlan, data: DataConfig, cache: LatentCache, 
     """Encode the views missing from the cache, in batches of `build_batch_size` per bucket.
     Returns (hits, built). The VAE runs here and nowhere else in a cached run."""
     views = cache_views(plan, data)
-    missing = [view for view in views if cache.load(view[1]) is None]
+    absent = set(cache.missing(key for _, key, _ in views))
+    missing = [view for view in views if view[1] in absent]
     by_size: dict[tuple[int, int], list] = defaultdict(list)
     for view in missing:
         by_size[plan.targets[view[0]]].append(view)

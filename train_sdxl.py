@@ -175,7 +175,8 @@ def cache_status(config: Config, data_plan) -> str:
         return "hits and misses are counted once the VAE is loaded"
     cache = make_latent_cache(config, vae_fingerprint_from_files(*found))
     views = dataset.cache_views(data_plan, config.data)
-    misses = len(cache.missing(key for _, key, _ in views))
+    # Presence only: every entry is read and checked once, when training builds the cache.
+    misses = sum(not cache.path(key).is_file() for _, key, _ in views)
     return f"{len(views) - misses} hits, {misses} misses (to encode before training) in {cache.cache_dir}"
 
 
