@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import os
 import secrets
@@ -107,6 +106,7 @@ def plan_run(config: Config) -> RunPlan:
 def check_inputs(config: Config) -> None:
     """Problems that need no model weights: unbuilt options, missing paths and packages."""
     from sdxl_trainer.attention import check_attention
+    from sdxl_trainer.distributed import check_launch
     from sdxl_trainer.export import check_export
     from sdxl_trainer.models import resolve_source
 
@@ -115,6 +115,7 @@ def check_inputs(config: Config) -> None:
         details = "; ".join(f"{key} ({UNBUILT[key][1]})" for key in unbuilt)
         raise ConfigError(f"not implemented yet: {details}")
     check_attention(config.model.attention)
+    check_launch(config, os.environ)
     resolve_source(config.model.id)
     check_export(config)
     if config.model.vae:
@@ -189,11 +190,11 @@ def train(config: Config, plan: RunPlan) -> int:
     from tqdm.auto import tqdm
 
     import dataset
-    from sdxl_trainer import outputs
+    from sdxl_trainer import distributed, outputs
     from sdxl_trainer.checkpointing import Position, rng_state, save_state, set_rng_state, soft_settings
     from sdxl_trainer.diffusion import sample_draws
     from sdxl_trainer.ema import EMA
-    from sdxl_trainer.evaluator import Evaluator, make_validation, validation_batches
+    from sdxl_trainer.evaluator import Evaluator, live_eval_due, make_validation, validation_batches
     from sdxl_trainer.export import ExportError, export_after_training
     from sdxl_trainer.lr_schedule import make_lr_scheduler, schedule_settings
     from sdxl_trainer.nan_guard import ABORT, OK, SKIP, NaNGuard, non_finite_report
@@ -204,11 +205,14 @@ def train(config: Config, plan: RunPlan) -> int:
     training, data_plan, total_steps = config.training, plan.data, plan.total_steps
     has_accelerator = torch.cuda.is_available() or torch.backends.mps.is_available()
     # On a machine without GPUs, `accelerate launch` runs CPU processes that talk over gloo.
-    accelerator = Accelerator(gradient_accumulation_steps=training.grad_accum_steps, cpu=not has_accelerator)
-    if accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
-        accelerator.print(f"error: {accelerator.distributed_type.value} is not supported yet: saving sharded weights "
-                          "is not built; use plain data parallel (accelerate launch --multi_gpu)")
-        return EXIT_USAGE
+    # Casting follows the precision plan (training.mixed_precision), never accelerate's setting:
+    # both at once would autocast twice, and FSDP would upcast bf16 weights to fp32.
+    accelerator = Accelerator(gradient_accumulation_steps=training.grad_accum_steps, cpu=not has_accelerator,
+                              mixed_precision="no")
+    launched_with = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if launched_with not in ("no", config.precision):
+        accelerator.print(f"note: accelerate's mixed_precision={launched_with} is ignored; the precision is "
+                          f"training.mixed_precision ({config.precision})")
     device = accelerator.device
     # Resuming keeps the interrupted run's seed: the data order and augmentation depend on it.
     seed = plan.resume[1]["seed"] if plan.resume else training.seed or secrets.randbelow(2**31 - 1) + 1
@@ -223,19 +227,19 @@ def train(config: Config, plan: RunPlan) -> int:
                                bf16_weights=precision.components["unet"].trained == "bf16")
     lr_scheduler = make_lr_scheduler(optimizer, training, total_steps)
     scaler = torch.amp.GradScaler(device.type, enabled=precision.uses_grad_scaler)
+    # Under FSDP this shards the UNet in place and points the optimizer at the slices.
+    *modules, optimizer, lr_scheduler = accelerator.prepare(*trainable.modules.values(), optimizer, lr_scheduler)
     position, ema, state = Position(), None, plan.resume[1] if plan.resume else None
     if state:
-        optimizer.load_state_dict(state["optimizer"])
+        distributed.load_optimizer_state(accelerator, modules[0], optimizer, state["optimizer"])
         lr_scheduler.load_state_dict(state["lr_scheduler"])
         scaler.load_state_dict(state["scaler"])
         position = Position(**state["position"])
         if state["ema"] is not None:
             ema = EMA(list(trainable.named_parameters()), config.model.ema_decay, config.model.ema_device)
             ema.load_state_dict(state["ema"])
-    modules = accelerator.prepare(*trainable.modules.values())
-    optimizer, lr_scheduler = accelerator.prepare(optimizer, lr_scheduler)
     # Forward through the prepared modules (DDP wrappers under several processes): that is
-    # what synchronises the gradients. Saving and eval use the pipeline's own modules.
+    # what synchronises the gradients. Saving and eval use the pipeline (gathered under FSDP).
     forward = dict(zip(trainable.modules, modules, strict=True))
     unet = forward["unet"]
     if config.model.use_torch_compile:
@@ -249,19 +253,23 @@ def train(config: Config, plan: RunPlan) -> int:
     soft = soft_settings(config, data_plan, total_steps)
 
     def checkpoint(step: int) -> Path | None:
-        """Every process hands over its RNG state; the main process writes the checkpoint."""
+        """Every process hands over its RNG state (and under FSDP its slices of the weights and the
+        optimizer state); the main process writes the checkpoint."""
         rng_states = gather_object([rng_state()])
+        optimizer_state = distributed.optimizer_state(accelerator, modules[0], optimizer)
+        full = distributed.gather_pipeline(accelerator, pipe, trainable)
         folder = None
         if accelerator.is_main_process:
             def write_state(path: Path) -> None:
-                save_state(path, config, soft, position, optimizer, lr_scheduler, scaler, ema, guard.consecutive,
-                           seed, rng_states)
-            folder = outputs.save_checkpoint(config, pipe, trainable, step, write_state)
+                save_state(path, config, soft, position, optimizer_state, lr_scheduler, scaler, ema,
+                           guard.consecutive, seed, rng_states)
+            folder = outputs.save_checkpoint(config, full, trainable.on(full), step, write_state)
         accelerator.wait_for_everyone()
         return folder
 
     accelerator.print(trainable.describe())
     trained_params = list(trainable.parameters())  # built once: the step loop needs it every step
+    sharded = distributed.is_sharded(accelerator)  # FSDP: each process holds a slice of the weights
 
     sampler = data_plan.sampler(seed, rank=accelerator.process_index)
     loader = DataLoader(
@@ -278,8 +286,9 @@ def train(config: Config, plan: RunPlan) -> int:
         if config.eval.live.enabled:
             batches = validation_batches(data_plan, config, seed, cache)
             validation = make_validation(batches, noise_scheduler.config.num_train_timesteps, seed)
-        loss_fn = functools.partial(diffusion_loss, pipe, noise_scheduler, device=device)
-        evaluator = Evaluator(config, pipe, plan.prompts, validation, loss_fn, list(modules), writer)
+        def eval_loss(eval_pipe, batch: dict, **draws):
+            return diffusion_loss(eval_pipe, noise_scheduler, batch, device, **draws)
+        evaluator = Evaluator(config, plan.prompts, validation, eval_loss, trainable.group_names, writer)
 
     started = time.time()
     logged_losses, window_paths, window_timesteps, loss_warnings, rank_checks = [], [], [], [], 0
@@ -317,6 +326,7 @@ def train(config: Config, plan: RunPlan) -> int:
                     grad_norm = torch.nn.utils.clip_grad_norm_(trained_params, training.max_grad_norm)
                 else:  # the norm alone (logging, NaN check): no multiply-by-one over every gradient
                     grad_norm = torch.nn.utils.get_total_norm([p.grad for p in trained_params if p.grad is not None])
+                grad_norm = distributed.plain_tensor(grad_norm)
                 verdict = guard.check(loss, grad_norm, position.step + 1, window_paths, accelerator)
                 if verdict == ABORT:
                     reason = "the loss or the gradients became NaN/Inf"
@@ -352,12 +362,15 @@ def train(config: Config, plan: RunPlan) -> int:
                     if writer:
                         outputs.log_step(writer, step, mean_loss, lr_scheduler.get_last_lr(),
                                          trainable.group_names, float(grad_norm), scaler, training.tensorboard)
-                if accelerator.num_processes > 1 and step % training.log_every == 0:
+                if accelerator.num_processes > 1 and not sharded and step % training.log_every == 0:
                     check_ranks_agree(accelerator, trainable, step)
                     rank_checks += 1
-                if evaluator and evaluator.due(step):
-                    with ema.swapped_in() if ema and config.eval.use_ema else contextlib.nullcontext():
-                        evaluator.live(step)
+                if plan.prompts and live_eval_due(config, step):
+                    with ema.swapped_in() if ema and evaluator and config.eval.use_ema else contextlib.nullcontext():
+                        full = distributed.gather_pipeline(accelerator, pipe, trainable)
+                        if evaluator:
+                            evaluator.live(full, step)
+                    del full
                 stopping = stop.agreed(accelerator)
                 if stopping or (step % training.checkpoint_every == 0 and step < total_steps):
                     folder = checkpoint(step)
@@ -386,11 +399,14 @@ def train(config: Config, plan: RunPlan) -> int:
     if rank_checks:
         accelerator.print(f"{accelerator.num_processes} processes held identical weights at all {rank_checks} checks")
     final_rng = gather_object([rng_state()])
-    if not accelerator.is_main_process:
-        return EXIT_OK
     if ema is not None:
         ema.copy_to()  # the final weights are the averaged ones
-        print("final weights: EMA of the trained weights")
+        accelerator.print("final weights: EMA of the trained weights")
+    optimizer_state = distributed.optimizer_state(accelerator, modules[0], optimizer)
+    pipe = distributed.gather_pipeline(accelerator, pipe, trainable)
+    if not accelerator.is_main_process:
+        return EXIT_OK
+    trainable = trainable.on(pipe)
     try:
         outputs.save_final(config, pipe, trainable)
         export_after_training(config, pipe, trainable)
@@ -402,9 +418,9 @@ def train(config: Config, plan: RunPlan) -> int:
         print(f"error: {exc}; nothing was saved", file=sys.stderr)
         return finish(config, "aborted: non-finite weights", position, started, seed, data_plan, evaluator, guard,
                       writer, EXIT_FAILED)
-    save_state(config.state_path, config, soft, position, optimizer, lr_scheduler, scaler, ema, guard.consecutive,
-               seed, final_rng)
-    invalid = evaluator.final(position.step) if evaluator else 0
+    save_state(config.state_path, config, soft, position, optimizer_state, lr_scheduler, scaler, ema,
+               guard.consecutive, seed, final_rng)
+    invalid = evaluator.final(pipe, position.step) if evaluator else 0
     if invalid:
         print(f"error: {invalid} final eval image(s) are invalid (see above)", file=sys.stderr)
         return finish(config, f"failed: {invalid} invalid final eval image(s)", position, started, seed, data_plan,

@@ -4,11 +4,15 @@ bf16 keeps 8 bits of mantissa: an update smaller than half the spacing between n
 values is lost entirely when rounded to nearest, so a fine-tune at a small learning rate simply
 stops moving. Rounding stochastically — up with a probability equal to the distance to the
 lower neighbour — keeps every update in expectation. The Adam moments stay in fp32.
+
+The update is elementwise, so under FSDP each process updates its own slices (the local tensors
+of the sharded parameters, gradients and moments) and nothing needs to be gathered.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 def stochastic_round_to_bf16(values: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -41,15 +45,21 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32)
                     state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
                 state["step"] += 1
-                grad = param.grad.float()
-                state["exp_avg"].lerp_(grad, 1 - beta1)
-                state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                weights, grad = _local(param), _local(param.grad).float()
+                exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+                exp_avg.lerp_(grad, 1 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 bias1 = 1 - beta1 ** state["step"]
                 bias2 = 1 - beta2 ** state["step"]
-                denominator = (state["exp_avg_sq"] / bias2).sqrt_().add_(group["eps"])
-                weight = param.float()
+                denominator = (exp_avg_sq / bias2).sqrt_().add_(group["eps"])
+                weight = weights.float()
                 weight.mul_(1 - group["lr"] * group["weight_decay"])
-                weight.addcdiv_(state["exp_avg"], denominator, value=-group["lr"] / bias1)
-                param.copy_(stochastic_round_to_bf16(weight) if param.dtype == torch.bfloat16 else weight)
+                weight.addcdiv_(exp_avg, denominator, value=-group["lr"] / bias1)
+                weights.copy_(stochastic_round_to_bf16(weight) if weights.dtype == torch.bfloat16 else weight)
         return loss
 
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's slice of a sharded tensor (it shares storage); any other tensor as is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -114,9 +114,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------- save / load
-def save_state(path: Path, config: Config, soft: dict[str, Any], position: Position, optimizer, lr_scheduler,
-               scaler, ema, nan_skips: int, seed: int, rng_states: list[dict[str, Any]]) -> None:
-    """Write the trainer state atomically; `rng_states` holds one `rng_state()` per process."""
+def save_state(path: Path, config: Config, soft: dict[str, Any], position: Position,
+               optimizer_state: dict[str, Any], lr_scheduler, scaler, ema, nan_skips: int, seed: int,
+               rng_states: list[dict[str, Any]]) -> None:
+    """Write the trainer state atomically; `optimizer_state` is the whole optimizer's (gathered
+    under FSDP) and `rng_states` holds one `rng_state()` per process."""
     import torch
 
     state = {
@@ -126,7 +128,7 @@ def save_state(path: Path, config: Config, soft: dict[str, Any], position: Posit
         "config": json.dumps(config.resolved()),
         "position": {"step": position.step, "epoch": position.epoch, "batches_in_epoch": position.batches_in_epoch},
         "seed": seed,
-        "optimizer": optimizer.state_dict(),
+        "optimizer": optimizer_state,
         "lr_scheduler": lr_scheduler.state_dict(),
         "scaler": scaler.state_dict(),
         "ema": ema.state_dict() if ema is not None else None,

@@ -4,6 +4,7 @@ the exit code need. Rendering itself is in `evaluation.py`, the loss in `validat
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,38 +35,40 @@ def eval_prompts(config: Config) -> list[EvalPrompt]:
     return load_prompts(evaluation.prompts_path, evaluation.width, evaluation.height)
 
 
+def live_eval_due(config: Config, step: int) -> bool:
+    live = config.eval.live
+    return live.enabled and step % live.every_n_steps == 0
+
+
 class Evaluator:
-    def __init__(self, config: Config, pipe: StableDiffusionXLPipeline, prompts: list[EvalPrompt],
-                 validation: ValidationSet | None, loss_fn: Callable[..., torch.Tensor],
-                 trained_modules: list[torch.nn.Module], writer=None):
+    """Runs on the main process. Each call takes the pipeline to evaluate: the training one, or
+    under FSDP a copy holding the gathered full weights."""
+
+    def __init__(self, config: Config, prompts: list[EvalPrompt], validation: ValidationSet | None,
+                 loss_fn: Callable[..., torch.Tensor], trained_names: list[str], writer=None):
         self.config = config
-        self.pipe = pipe
         self.prompts = prompts
         self.validation = validation
-        self.loss_fn = loss_fn
-        self.trained_modules = trained_modules
+        self.loss_fn = loss_fn  # loss_fn(pipe, batch, noise=..., timesteps=..., generator=...)
+        self.trained_names = trained_names
         self.writer = writer
         self.results: list[dict[str, Any]] = []
-        pipe.set_progress_bar_config(disable=True)
 
-    def due(self, step: int) -> bool:
-        live = self.config.eval.live
-        return live.enabled and step % live.every_n_steps == 0
-
-    def live(self, step: int) -> None:
+    def live(self, pipe: StableDiffusionXLPipeline, step: int) -> None:
         """Eval images (first `max_batches` prompts) and the validation loss at this step."""
         folder = self.config.output_dir / "eval" / "live" / f"step_{step}"
-        self._render(folder, "live", step, self.config.eval.live.max_batches)
+        self._render(pipe, folder, "live", step, self.config.eval.live.max_batches)
         if self.validation is not None:
-            loss = validation_loss(self.trained_modules, self.loss_fn, self.validation)
+            modules = [getattr(pipe, name) for name in self.trained_names]
+            loss = validation_loss(modules, functools.partial(self.loss_fn, pipe), self.validation)
             if self.writer:
                 self.writer.add_scalar("val/loss", loss, step)
 
-    def final(self, step: int) -> int:
+    def final(self, pipe: StableDiffusionXLPipeline, step: int) -> int:
         """Final eval images; returns how many are invalid (a non-zero count fails the run)."""
         if not self.config.eval.final.enabled:
             return 0
-        result = self._render(self.config.output_dir / "eval" / "final", "final", step,
+        result = self._render(pipe, self.config.output_dir / "eval" / "final", "final", step,
                               self.config.eval.final.max_batches)
         return len(result.invalid)
 
@@ -73,8 +76,9 @@ class Evaluator:
     def invalid_images(self) -> list[dict[str, str]]:
         return [image for result in self.results for image in result["invalid"]]
 
-    def _render(self, folder: Path, tag: str, step: int, max_batches: int | None):
-        result = run_evaluation(self.pipe, self.config.eval, self.prompts, folder, tag=tag, step=step,
+    def _render(self, pipe: StableDiffusionXLPipeline, folder: Path, tag: str, step: int, max_batches: int | None):
+        pipe.set_progress_bar_config(disable=True)
+        result = run_evaluation(pipe, self.config.eval, self.prompts, folder, tag=tag, step=step,
                                 writer=self.writer, max_batches=max_batches)
         self.results.append(result.summary())
         if self.writer:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from .adapters import save_diffusers_adapter
 from .config import Config, ConfigError
 from .kohya_format import lora_layers, save_kohya_adapter
+from .models import with_components
 from .outputs import check_finite
 
 if TYPE_CHECKING:
@@ -101,13 +102,8 @@ def save_adapter_files(config: Config, trainable: Trainable) -> list[Path]:
 
 def save_merged_pipeline(pipe: StableDiffusionXLPipeline, trainable: Trainable, folder: Path) -> None:
     """Save `pipe` as a diffusers folder whose trained components have their adapters merged."""
-    from diffusers import StableDiffusionXLPipeline
-
     merged = {name: merged_copy(module) for name, module in trainable.modules.items()}
-    merged_pipe = StableDiffusionXLPipeline(
-        **{**pipe.components, **merged}, force_zeros_for_empty_prompt=pipe.config.force_zeros_for_empty_prompt
-    )
-    merged_pipe.save_pretrained(folder, safe_serialization=True)
+    with_components(pipe, **merged).save_pretrained(folder, safe_serialization=True)
 
 
 def merged_copy(module: torch.nn.Module) -> torch.nn.Module:

@@ -139,3 +139,9 @@ def vae_weight_files(model: ModelConfig) -> tuple[list[Path], str] | None:
         if candidate.is_file():
             return [candidate], ""
     return None
+
+
+def with_components(pipe: StableDiffusionXLPipeline, **components) -> StableDiffusionXLPipeline:
+    """A new pipeline sharing `pipe`'s components and settings, with `components` replaced."""
+    return type(pipe)(**{**pipe.components, **components},
+                      force_zeros_for_empty_prompt=pipe.config.force_zeros_for_empty_prompt)

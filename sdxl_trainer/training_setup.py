@@ -46,6 +46,11 @@ class Trainable:
                 if param.requires_grad:
                     yield f"{name}.{param_name}", param
 
+    def on(self, pipe: StableDiffusionXLPipeline) -> Trainable:
+        """The same training setup over another pipeline's components (e.g. gathered full copies)."""
+        return Trainable({name: getattr(pipe, name) for name in self.modules}, self.learning_rates,
+                         self.adapter_type)
+
     def describe(self) -> str:
         parts = []
         for name, module in self.modules.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -42,10 +43,28 @@ def write_config(path: Path, config: dict[str, Any]) -> Path:
     return path
 
 
-def run_cli(script: str, *args: str, cwd: Path | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run a top-level script the way a user does, in a fresh interpreter."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def run_cli(script: str, *args: str, cwd: Path | None = None, timeout: int = 600,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run a top-level script the way a user does, in a fresh interpreter (`env`: extra variables)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.run(
         [sys.executable, str(ROOT / script), *args], cwd=cwd or ROOT, env=env,
         capture_output=True, text=True, timeout=timeout,
     )
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def accelerate_launch(launch_args: list[str], config_path: Path, *overrides: str,
+                      target: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """`accelerate launch <launch_args> [target] train_sdxl.py --config ... --set ...` in a fresh
+    interpreter, one thread per process (the processes share this machine's cores)."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", *launch_args,
+               "--main_process_port", str(free_port()), *target, str(ROOT / "train_sdxl.py"),
+               "--config", str(config_path), *[part for item in overrides for part in ("--set", item)]]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

@@ -5,34 +5,21 @@ written, and a 2-process resume reaches the 2-process result."""
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import ROOT, run_cli, tiny_config, write_config
+from tests.helpers import ROOT, accelerate_launch, run_cli, tiny_config, write_config
 
 PROMPTS = str(ROOT / "data" / "eval_prompts.quickstart.json")
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def launch_two(config_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-               "--main_process_port", str(free_port()), str(ROOT / "train_sdxl.py"), "--config", str(config_path),
-               *[part for item in overrides for part in ("--set", item)]]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    return accelerate_launch(["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+                              "--dynamo_backend", "no"], config_path, *overrides)
 
 
 def config_for(tmp_path: Path, per_process_batch: int, **training) -> dict:
