@@ -367,10 +367,10 @@ def train(config: Config, plan: RunPlan) -> int:
                     rank_checks += 1
                 if plan.prompts and live_eval_due(config, step):
                     with ema.swapped_in() if ema and evaluator and config.eval.use_ema else contextlib.nullcontext():
-                        full = distributed.gather_pipeline(accelerator, pipe, trainable)
+                        full = distributed.gather_pipeline(accelerator, pipe, trainable, device)
                         if evaluator:
                             evaluator.live(full, step)
-                    del full
+                    del full  # under FSDP a whole copy of the trained weights
                 stopping = stop.agreed(accelerator)
                 if stopping or (step % training.checkpoint_every == 0 and step < total_steps):
                     folder = checkpoint(step)
@@ -420,7 +420,7 @@ def train(config: Config, plan: RunPlan) -> int:
                       writer, EXIT_FAILED)
     save_state(config.state_path, config, soft, position, optimizer_state, lr_scheduler, scaler, ema,
                guard.consecutive, seed, final_rng)
-    invalid = evaluator.final(pipe, position.step) if evaluator else 0
+    invalid = evaluator.final(pipe.to(device), position.step) if evaluator else 0
     if invalid:
         print(f"error: {invalid} final eval image(s) are invalid (see above)", file=sys.stderr)
         return finish(config, f"failed: {invalid} invalid final eval image(s)", position, started, seed, data_plan,

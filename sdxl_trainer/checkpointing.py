@@ -143,7 +143,9 @@ def load_state(path: Path) -> dict[str, Any]:
     import torch
 
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        # Memory-mapped: every process of a multi-GPU run reads the same file, and a full fine-tune's
+        # optimizer state is twice the model; mapped, they share one copy in the page cache.
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except FileNotFoundError:
         raise ConfigError(f"training.resume_state_path: {path} does not exist") from None
     except Exception as exc:  # a truncated or foreign file: say which, never run anything from it

@@ -103,13 +103,14 @@ def keyed_by_name(state: dict[str, Any], model: torch.nn.Module) -> dict[str, An
     }
 
 
-def gather_pipeline(accelerator: Accelerator, pipe: StableDiffusionXLPipeline,
-                    trainable: Trainable) -> StableDiffusionXLPipeline | None:
+def gather_pipeline(accelerator: Accelerator, pipe: StableDiffusionXLPipeline, trainable: Trainable,
+                    device: str | torch.device = "cpu") -> StableDiffusionXLPipeline | None:
     """The pipeline with whole trained weights, to save or evaluate on the main process.
 
     Without sharding that is `pipe` itself. Under FSDP every process must call this: the trained
     components' slices are gathered, and the main process gets a new pipeline sharing the frozen
-    components and holding plain copies of the trained ones (other processes get None).
+    components and holding plain copies of the trained ones on `device` (the CPU is enough for
+    saving; eval wants the training device). Other processes get None.
     """
     if not is_sharded(accelerator):
         return pipe
@@ -130,5 +131,5 @@ def gather_pipeline(accelerator: Accelerator, pipe: StableDiffusionXLPipeline,
         trained = {param_name for param_name, param in sharded.named_parameters() if param.requires_grad}
         for param_name, param in module.named_parameters():
             param.requires_grad_(param_name in trained)
-        plain[name] = module.to(accelerator.device).eval()
+        plain[name] = module.to(device).eval()
     return with_components(pipe, **plain)
