@@ -376,8 +376,8 @@ def train(config: Config, plan: RunPlan) -> int:
                     folder = checkpoint(step)
                     if stopping:
                         if accelerator.is_main_process:
-                            print(f"\ninterrupted: checkpoint saved at step {step}. Resume with:\n  "
-                                  + resume_command(plan.command, folder))
+                            print(f"\ninterrupted: checkpoint saved at step {step}. "
+                                  + resume_command(plan.command, folder, accelerator.num_processes))
                             finish(config, f"interrupted at step {step}", position, started, seed, data_plan,
                                    evaluator, guard, writer, EXIT_INTERRUPTED)
                         return EXIT_INTERRUPTED
@@ -522,17 +522,26 @@ def finish(config: Config, status: str, position, started: float, seed: int, dat
 
 class StopRequest:
     """Ctrl-C / SIGTERM: the first finishes the current optimizer step, saves a checkpoint and exits;
-    a second one exits at once (every write is atomic, so nothing is left half-written)."""
+    a second one exits at once (every write is atomic, so nothing is left half-written).
+
+    A repeat within `REPEAT_WINDOW_S` is the same request, not a second press: `accelerate launch`
+    passes on the signal it got, and a cluster scheduler may signal the launcher and every
+    process at once, so one stop can arrive twice within milliseconds."""
+
+    REPEAT_WINDOW_S = 2.0
 
     def __init__(self):
         self.requested = False
+        self.requested_at = 0.0
         self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def _handle(self, signum, frame) -> None:
         if self.requested:
+            if time.monotonic() - self.requested_at < self.REPEAT_WINDOW_S:
+                return
             self.restore()
             raise KeyboardInterrupt
-        self.requested = True
+        self.requested, self.requested_at = True, time.monotonic()
         print(f"\n{signal.Signals(signum).name}: finishing this step and saving a checkpoint "
               "(press Ctrl-C again to exit at once)", file=sys.stderr)
 
@@ -564,11 +573,15 @@ def check_ranks_agree(accelerator, trainable, step: int) -> None:
         raise RuntimeError(f"processes hold different weights at step {step}: {sums.tolist()}")
 
 
-def resume_command(command: list[str], checkpoint: Path) -> str:
-    """The exact command that continues this run from `checkpoint`."""
-    arguments = [sys.executable, sys.argv[0] if sys.argv[0].endswith(".py") else "train_sdxl.py", *command,
-                 "--set", f"training.resume_from={checkpoint}"]
-    return shlex.join(arguments)
+def resume_command(command: list[str], checkpoint: Path, processes: int) -> str:
+    """How to continue this run from `checkpoint`: the exact command for one process; under
+    `accelerate launch` (whose options this process cannot see) the script part of it."""
+    script = sys.argv[0] if sys.argv[0].endswith(".py") else "train_sdxl.py"
+    arguments = [*command, "--set", f"training.resume_from={checkpoint}"]
+    if processes > 1:
+        return (f"Resume with the same `accelerate launch` options ({processes} processes) and:\n  "
+                + shlex.join([script, *arguments]))
+    return "Resume with:\n  " + shlex.join([sys.executable, script, *arguments])
 
 
 def diffusion_loss(pipe, noise_scheduler, batch: dict, device, noise_offset: float = 0.0,

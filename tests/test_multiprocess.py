@@ -5,21 +5,28 @@ written, and a 2-process resume reaches the 2-process result."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import ROOT, accelerate_launch, run_cli, tiny_config, write_config
+from tests.helpers import ROOT, accelerate_launch, free_port, run_cli, tiny_config, write_config
 
 PROMPTS = str(ROOT / "data" / "eval_prompts.quickstart.json")
 
 
+LAUNCH_TWO = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+              "--dynamo_backend", "no"]
+
+
 def launch_two(config_path: Path, *overrides: str) -> subprocess.CompletedProcess:
-    return accelerate_launch(["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-                              "--dynamo_backend", "no"], config_path, *overrides)
+    return accelerate_launch(LAUNCH_TWO, config_path, *overrides)
 
 
 def config_for(tmp_path: Path, per_process_batch: int, **training) -> dict:
@@ -78,3 +85,32 @@ def test_two_process_resume_reaches_the_uninterrupted_weights(two_process_run: P
     straight = load_file(two_process_run / "out" / "test_run" / "pytorch_lora_weights.safetensors")
     again = load_file(tmp_path / "out" / "test_run" / "pytorch_lora_weights.safetensors")
     assert all(torch.equal(straight[key], again[key]) for key in straight)
+
+
+def test_ctrl_c_under_accelerate_launch_saves_a_checkpoint_that_two_processes_resume(tmp_path: Path,
+                                                                                      tiny_sdxl_dir: Path) -> None:
+    """Ctrl-C in a terminal signals the launcher's process group; the launcher passes it on to
+    the training processes, which agree on the step, save one checkpoint and exit."""
+    config_path = write_config(tmp_path / "c.json", config_for(tmp_path, per_process_batch=1, num_steps=400,
+                                                                checkpoint_every=1000))
+    command = [sys.executable, "-m", "accelerate.commands.launch", *LAUNCH_TWO, "--main_process_port",
+               str(free_port()), str(ROOT / "train_sdxl.py"), "--config", str(config_path)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    launcher = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not list((tmp_path / "tb" / "test_run").glob("events.*")):
+        time.sleep(0.1)
+    time.sleep(3.0)  # well into training
+    os.killpg(launcher.pid, signal.SIGINT)
+    stdout, stderr = launcher.communicate(timeout=300)
+    assert stdout.count("interrupted: checkpoint saved at step ") == 1, stderr[-4000:]
+    step = int(stdout.split("checkpoint saved at step ")[1].split(".")[0])
+    assert 0 < step < 400
+    hint = stdout.split("Resume with the same `accelerate launch` options (2 processes) and:\n")[1].splitlines()[0]
+    assert f"training.resume_from={tmp_path / 'out' / 'test_run' / 'checkpoints' / f'checkpoint-{step}'}" in hint
+
+    resumed = launch_two(config_path, f"training.resume_from={hint.split('training.resume_from=')[1]}",
+                         f"training.num_steps={step + 2}")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert f"at step {step} " in resumed.stdout and f"completed: {step + 2} steps" in resumed.stdout

@@ -154,6 +154,22 @@ def test_ctrl_c_saves_a_checkpoint_and_prints_a_working_resume_command(tmp_path:
     assert summary["status"] == "completed" and summary["steps"] == 40
 
 
+def test_a_repeated_signal_is_one_request_and_a_later_press_exits_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import train_sdxl
+
+    stop = train_sdxl.StopRequest()
+    try:
+        for _ in range(2):  # a launcher passing on the signal it got: the same stop, twice
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested
+        monkeypatch.setattr(train_sdxl.StopRequest, "REPEAT_WINDOW_S", 0.0)  # now "seconds later"
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is stop.previous[signal.SIGINT]  # handlers given back
+    finally:
+        stop.restore()
+
+
 def test_resume_refuses_another_rank_and_warns_about_another_length(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
     config = tiny_config(tmp_path, training={"num_steps": 4, "checkpoint_every": 2,
                                              "lr_scheduler": {"type": "linear_decay", "warmup_steps": 1}})
