@@ -270,6 +270,8 @@ def train(config: Config, plan: RunPlan) -> int:
     accelerator.print(trainable.describe())
     trained_params = list(trainable.parameters())  # built once: the step loop needs it every step
     sharded = distributed.is_sharded(accelerator)  # FSDP: each process holds a slice of the weights
+    if sharded:
+        accelerator.print(distributed.describe_sharding(accelerator, trainable))
 
     sampler = data_plan.sampler(seed, rank=accelerator.process_index)
     loader = DataLoader(

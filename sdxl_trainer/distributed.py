@@ -61,6 +61,17 @@ def is_sharded(accelerator: Accelerator) -> bool:
     return accelerator.distributed_type.value == "FSDP"
 
 
+def describe_sharding(accelerator: Accelerator, trainable: Trainable) -> str:
+    """What each process holds of the trained weights (and so of their gradients and optimizer
+    state), counted from the shards themselves: proof that the weights really are split."""
+    from torch.distributed.tensor import DTensor
+
+    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in trainable.parameters())
+    total = sum(p.numel() for p in trainable.parameters())
+    return (f"FSDP: each of {accelerator.num_processes} processes holds {local / 1e6:.2f}M of the "
+            f"{total / 1e6:.2f}M trained parameters ({local / total:.0%}), their gradients and optimizer state")
+
+
 def plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """A sharded result (a DTensor, e.g. the gradient norm under FSDP) as an ordinary tensor."""
     from torch.distributed.tensor import DTensor

@@ -48,6 +48,7 @@ def fsdp_run(tmp_path_factory: pytest.TempPathFactory, tiny_sdxl_dir: Path) -> P
     result = launch_fsdp(write_config(tmp_path / "c.json", config))
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("completed: 4 steps") == 1
+    assert "FSDP: each of 2 processes holds 1.55M of the 3.09M trained parameters (50%)" in result.stdout
     return tmp_path / "out" / "test_run"
 
 
