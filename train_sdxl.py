@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import json
 import os
 import secrets
@@ -185,7 +186,7 @@ def cache_status(config: Config, data_plan) -> str:
 def train(config: Config, plan: RunPlan) -> int:
     import torch
     from accelerate import Accelerator
-    from accelerate.utils import gather_object, set_seed
+    from accelerate.utils import InitProcessGroupKwargs, gather_object, set_seed
     from torch.utils.data import DataLoader
     from tqdm.auto import tqdm
 
@@ -207,8 +208,11 @@ def train(config: Config, plan: RunPlan) -> int:
     # On a machine without GPUs, `accelerate launch` runs CPU processes that talk over gloo.
     # Casting follows the precision plan (training.mixed_precision), never accelerate's setting:
     # both at once would autocast twice, and FSDP would upcast bf16 weights to fp32.
+    # The main process alone writes checkpoints and renders eval images while the others wait: a
+    # full fine-tune's checkpoint can take longer than the collectives' default timeout.
+    timeout = InitProcessGroupKwargs(timeout=datetime.timedelta(minutes=training.distributed_timeout_minutes))
     accelerator = Accelerator(gradient_accumulation_steps=training.grad_accum_steps, cpu=not has_accelerator,
-                              mixed_precision="no")
+                              mixed_precision="no", kwargs_handlers=[timeout])
     launched_with = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if launched_with not in ("no", config.precision):
         accelerator.print(f"note: accelerate's mixed_precision={launched_with} is ignored; the precision is "

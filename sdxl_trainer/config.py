@@ -202,6 +202,11 @@ class TrainingConfig(Section):
     state_path: str | None = Field(
         None, description="Where this run writes its trainer state (default `<output_dir>/trainer_state.pt`)."
     )
+    distributed_timeout_minutes: float = Field(
+        60.0, gt=0.0,
+        description="Several processes: how long one waits for the others (while the main process alone "
+        "checkpoints, exports or evaluates) before the run fails. PyTorch's NCCL default is 10.",
+    )
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig, description="TensorBoard logging.")
 
 

@@ -114,3 +114,11 @@ def test_ctrl_c_under_accelerate_launch_saves_a_checkpoint_that_two_processes_re
                          f"training.num_steps={step + 2}")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert f"at step {step} " in resumed.stdout and f"completed: {step + 2} steps" in resumed.stdout
+
+
+def test_the_wait_timeout_reaches_the_process_group(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
+    """While the main process loads the model the other waits at a barrier: longer than 0.3 s."""
+    config = config_for(tmp_path, per_process_batch=1, distributed_timeout_minutes=0.005)
+    result = launch_two(write_config(tmp_path / "c.json", config))
+    assert result.returncode != 0
+    assert "Timed out waiting 300ms" in result.stderr
