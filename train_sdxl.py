@@ -259,6 +259,7 @@ def train(config: Config, plan: RunPlan) -> int:
     def checkpoint(step: int) -> Path | None:
         """Every process hands over its RNG state (and under FSDP its slices of the weights and the
         optimizer state); the main process writes the checkpoint."""
+        distributed.check_finite_everywhere(accelerator, trainable)
         rng_states = gather_object([rng_state()])
         optimizer_state = distributed.optimizer_state(accelerator, modules[0], optimizer)
         full = distributed.gather_pipeline(accelerator, pipe, trainable)
@@ -394,7 +395,7 @@ def train(config: Config, plan: RunPlan) -> int:
                 position.epoch += 1
                 position.batches_in_epoch = 0
     except NonFiniteWeightsError as exc:
-        print(f"error: {exc}; the checkpoint was not written", file=sys.stderr)
+        accelerator.print(f"error: {exc}; training stopped; they were not saved", file=sys.stderr)
         return finish(config, "aborted: non-finite weights", position, started, seed, data_plan, evaluator, guard,
                       writer, EXIT_FAILED)
     finally:
@@ -408,12 +409,13 @@ def train(config: Config, plan: RunPlan) -> int:
     if ema is not None:
         ema.copy_to()  # the final weights are the averaged ones
         accelerator.print("final weights: EMA of the trained weights")
-    optimizer_state = distributed.optimizer_state(accelerator, modules[0], optimizer)
-    pipe = distributed.gather_pipeline(accelerator, pipe, trainable)
-    if not accelerator.is_main_process:
-        return EXIT_OK
-    trainable = trainable.on(pipe)
     try:
+        distributed.check_finite_everywhere(accelerator, trainable)
+        optimizer_state = distributed.optimizer_state(accelerator, modules[0], optimizer)
+        pipe = distributed.gather_pipeline(accelerator, pipe, trainable)
+        if not accelerator.is_main_process:
+            return EXIT_OK
+        trainable = trainable.on(pipe)
         outputs.save_final(config, pipe, trainable)
         export_after_training(config, pipe, trainable)
     except ExportError as exc:
@@ -421,7 +423,7 @@ def train(config: Config, plan: RunPlan) -> int:
         return finish(config, "failed: export", position, started, seed, data_plan, evaluator, guard, writer,
                       EXIT_FAILED)
     except NonFiniteWeightsError as exc:
-        print(f"error: {exc}; nothing was saved", file=sys.stderr)
+        accelerator.print(f"error: {exc}; nothing was saved", file=sys.stderr)
         return finish(config, "aborted: non-finite weights", position, started, seed, data_plan, evaluator, guard,
                       writer, EXIT_FAILED)
     save_state(config.state_path, config, soft, position, optimizer_state, lr_scheduler, scaler, ema,
@@ -436,8 +438,9 @@ def train(config: Config, plan: RunPlan) -> int:
 
 def setup_models(config: Config, plan: RunPlan, precision, accelerator):
     """Load SDXL in the planned dtypes, cache latents, attach adapters (or unfreeze), audit.
-    The main process goes first where files are written (the built-in model, the latent cache);
-    the others then find them done."""
+    Where files are written (a hub download, the built-in model, the latent cache) the first
+    process of each machine goes first and the others on it then find them done: caches are
+    usually local disks, and on a shared one the writes are atomic and identical."""
     from safetensors.torch import load_file
 
     import dataset
@@ -451,7 +454,7 @@ def setup_models(config: Config, plan: RunPlan, precision, accelerator):
 
     device = accelerator.device
     resume_folder = plan.resume[0] if plan.resume else None
-    with accelerator.main_process_first():
+    with accelerator.local_main_process_first():
         if resume_folder and config.adapter.type == "none":  # a full fine-tune continues from its pipeline
             pipe = load_pipeline(config.model.model_copy(update={"id": str(resume_folder), "vae": None}))
         else:
@@ -469,7 +472,7 @@ def setup_models(config: Config, plan: RunPlan, precision, accelerator):
     cache = None
     if config.data.latent_cache.enabled:
         cache = make_latent_cache(config, vae_fingerprint(pipe.vae.state_dict().values()))
-        with accelerator.main_process_first():
+        with accelerator.local_main_process_first():
             hits, built = dataset.build_latent_cache(plan.data, config.data, cache, pipe.vae, device)
         accelerator.print(f"latent cache: {hits} hits, {built} encoded now")
     trainable = prepare_trainable(pipe, config)
@@ -571,10 +574,14 @@ def check_ranks_agree(accelerator, trainable, step: int) -> None:
     import torch
     from accelerate.utils import gather
 
+    from sdxl_trainer import distributed
+
     params = list(trainable.parameters())
     checksum = torch.stack([sum(p.detach().double().sum() for p in params),
                             sum(p.detach().double().pow(2).sum() for p in params)]).to(accelerator.device)
     sums = gather(checksum[None]).cpu()
+    if not torch.isfinite(sums).all():  # NaN is never equal to itself: say what really happened
+        distributed.check_finite_everywhere(accelerator, trainable)
     if not torch.equal(sums, sums[:1].expand_as(sums)):
         raise RuntimeError(f"processes hold different weights at step {step}: {sums.tolist()}")
 

@@ -12,7 +12,8 @@ of the sharded parameters, gradients and moments) and nothing needs to be gather
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from .distributed import local_tensor
 
 
 def stochastic_round_to_bf16(values: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -45,8 +46,8 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(param, dtype=torch.float32)
                     state["exp_avg_sq"] = torch.zeros_like(param, dtype=torch.float32)
                 state["step"] += 1
-                weights, grad = _local(param), _local(param.grad).float()
-                exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+                weights, grad = local_tensor(param), local_tensor(param.grad).float()
+                exp_avg, exp_avg_sq = local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"])
                 exp_avg.lerp_(grad, 1 - beta1)
                 exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 bias1 = 1 - beta1 ** state["step"]
@@ -59,7 +60,3 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         return loss
 
 
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This process's slice of a sharded tensor (it shares storage); any other tensor as is."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

@@ -64,12 +64,33 @@ def is_sharded(accelerator: Accelerator) -> bool:
 def describe_sharding(accelerator: Accelerator, trainable: Trainable) -> str:
     """What each process holds of the trained weights (and so of their gradients and optimizer
     state), counted from the shards themselves: proof that the weights really are split."""
-    from torch.distributed.tensor import DTensor
-
-    local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in trainable.parameters())
+    local = sum(local_tensor(p).numel() for p in trainable.parameters())
     total = sum(p.numel() for p in trainable.parameters())
     return (f"FSDP: each of {accelerator.num_processes} processes holds {local / 1e6:.2f}M of the "
             f"{total / 1e6:.2f}M trained parameters ({local / total:.0%}), their gradients and optimizer state")
+
+
+def check_finite_everywhere(accelerator: Accelerator, trainable: Trainable) -> None:
+    """Raise NonFiniteWeightsError in every process when a trained weight holds NaN/Inf in any.
+    Each process checks what it holds (a whole copy under DDP, its slices under FSDP); together
+    they stop instead of waiting for a main process that refused to save."""
+    import torch
+    from accelerate.utils import gather_object
+
+    from .outputs import NonFiniteWeightsError
+
+    bad = [name for name, param in trainable.named_parameters() if not torch.isfinite(local_tensor(param)).all()]
+    if accelerator.num_processes > 1:
+        bad = sorted({name for names in gather_object([bad]) for name in names})
+    if bad:
+        raise NonFiniteWeightsError.for_tensors(bad)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's slice of a sharded tensor (sharing its storage); any other tensor as is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def plain_tensor(tensor: torch.Tensor) -> torch.Tensor:

@@ -29,13 +29,18 @@ class NonFiniteWeightsError(RuntimeError):
     """Trained weights hold NaN/Inf: they are never written."""
 
 
+    @classmethod
+    def for_tensors(cls, names: list[str]) -> NonFiniteWeightsError:
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        return cls(f"{len(names)} trained tensor(s) hold NaN/Inf: {shown}")
+
+
 def check_finite(trainable: Trainable) -> None:
     import torch
 
     bad = [name for name, param in trainable.named_parameters() if not torch.isfinite(param).all()]
     if bad:
-        shown = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-        raise NonFiniteWeightsError(f"{len(bad)} trained tensor(s) hold NaN/Inf: {shown}")
+        raise NonFiniteWeightsError.for_tensors(bad)
 
 
 def save_weights(folder: Path, pipe: StableDiffusionXLPipeline, trainable: Trainable) -> None:

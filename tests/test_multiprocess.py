@@ -122,3 +122,24 @@ def test_the_wait_timeout_reaches_the_process_group(tmp_path: Path, tiny_sdxl_di
     result = launch_two(write_config(tmp_path / "c.json", config))
     assert result.returncode != 0
     assert "Timed out waiting 300ms" in result.stderr
+
+
+@pytest.mark.parametrize("log_every", [100, 1], ids=["at-the-checkpoint", "at-the-rank-check"])
+def test_non_finite_weights_stop_both_processes_and_nothing_is_saved(tmp_path: Path, tiny_sdxl_dir: Path,
+                                                                     log_every: int) -> None:
+    """NaN in the second process's weights after step 2 (finite gradients): both processes stop
+    together at step 2 (a 30 s wait timeout would show a process left waiting), found by the check
+    before the checkpoint or, first, by the rank checksum (as NaN, not as "different weights"); the
+    main process does not save its own, finite, copy."""
+    config = config_for(tmp_path, per_process_batch=1, checkpoint_every=2, log_every=log_every,
+                        distributed_timeout_minutes=0.5)
+    result = accelerate_launch(LAUNCH_TWO, write_config(tmp_path / "c.json", config),
+                               target=(str(ROOT / "tests" / "nan_weights_after_step_2.py"),))
+    assert result.returncode != 0
+    assert "Timed out" not in result.stderr
+    assert "trained tensor(s) hold NaN/Inf: unet." in result.stderr
+    assert "training stopped; they were not saved" in result.stderr
+    output = tmp_path / "out" / "test_run"
+    assert not (output / "checkpoints").exists() and not (output / "pytorch_lora_weights.safetensors").exists()
+    summary = json.loads((output / "run_summary.json").read_text())
+    assert summary["status"] == "aborted: non-finite weights" and summary["steps"] == 2
