@@ -58,5 +58,3 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                 weight.addcdiv_(exp_avg, denominator, value=-group["lr"] / bias1)
                 weights.copy_(stochastic_round_to_bf16(weight) if weights.dtype == torch.bfloat16 else weight)
         return loss
-
-

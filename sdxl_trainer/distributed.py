@@ -48,7 +48,7 @@ def check_launch(config: Config, environ: Mapping[str, str]) -> None:
         "model.use_torch_compile": (config.model.use_torch_compile,
                                     "compile through accelerate's dynamo_backend setting instead"),
         "training.mixed_precision": (config.precision == "fp16",
-                      "fp16 needs a grad scaler that agrees across shards; use bf16"),
+                                     "fp16 needs a grad scaler that agrees across shards; use bf16"),
         "optimizer.type": (config.optimizer.type != "adamw",
                            "8-bit AdamW (bitsandbytes) and Adafactor cannot step sharded tensors; use adamw"),
     }
@@ -125,9 +125,9 @@ def load_optimizer_state(accelerator: Accelerator, model: torch.nn.Module, optim
 def keyed_by_name(state: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
     """An optimizer state saved without sharding keys parameters by position; the sharded
     loader wants their names (as it saves them), so a run can move from one GPU to FSDP."""
-    names = [name for name, param in model.named_parameters() if param.requires_grad]
     if all(isinstance(key, str) for group in state["param_groups"] for key in group["params"]):
         return state
+    names = [name for name, param in model.named_parameters() if param.requires_grad]
     return {
         "state": {names[index]: value for index, value in state["state"].items()},
         "param_groups": [{**group, "params": [names[index] for index in group["params"]]}

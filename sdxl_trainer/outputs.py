@@ -28,7 +28,6 @@ CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
 class NonFiniteWeightsError(RuntimeError):
     """Trained weights hold NaN/Inf: they are never written."""
 
-
     @classmethod
     def for_tensors(cls, names: list[str]) -> NonFiniteWeightsError:
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
