@@ -104,6 +104,16 @@ def test_one_process_checkpoint_continues_under_fsdp(one_process_run: Path, tmp_
         torch.testing.assert_close(continued[key], single[key], rtol=0, atol=2e-6)
 
 
+def test_fsdp_checkpoint_continues_in_one_process(fsdp_run: Path, one_process_run: Path, tmp_path: Path) -> None:
+    """The gathered optimizer state (keyed by name) loads into an unsharded optimizer."""
+    config = full_config(tmp_path, 2, resume_from=str(fsdp_run / "checkpoints" / "checkpoint-2"))
+    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "c.json", config)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    single, continued = load_file(one_process_run / UNET_FILE), load_file(tmp_path / "out" / "test_run" / UNET_FILE)
+    for key in single:
+        torch.testing.assert_close(continued[key], single[key], rtol=0, atol=2e-6)
+
+
 def test_fsdp_trains_bf16_weights_with_stochastic_rounding(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
     config = full_config(tmp_path, 1, num_steps=2, mixed_precision="bf16")
     config["model"]["weights_dtype"] = "bf16"
