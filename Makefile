@@ -9,6 +9,7 @@ test: lint
 lint:
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m sdxl_trainer.schema_docs --check
+	$(PYTHON) tools/check_structure.py
 
 docs:
 	$(PYTHON) -m sdxl_trainer.schema_docs

@@ -14,15 +14,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sdxl_trainer import dora_doctor
-from sdxl_trainer.dora_doctor import FileReport, ModuleReport
+from sdxl_trainer.doctor.cli import EXIT_CLEAN, EXIT_PROBLEMS, load_base, make_parser, run
+from sdxl_trainer.doctor.report import FileReport, ModuleReport, analyse_file
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = dora_doctor.make_parser("debug_dora_weights.py", __doc__)
+    parser = make_parser("debug_dora_weights.py", __doc__)
     parser.add_argument("--json", default=None, metavar="PATH", help="also write the full report as JSON")
     parser.add_argument("--problems-only", action="store_true", help="list only damaged modules in the table")
-    return dora_doctor.run(debug, parser.parse_args(argv))
+    return run(debug, parser.parse_args(argv))
 
 
 def debug(args: argparse.Namespace) -> int:
@@ -31,12 +31,12 @@ def debug(args: argparse.Namespace) -> int:
     from sdxl_trainer.atomic import write_json
 
     files, how = adapter_files(args.weights_path)
-    base = dora_doctor.load_base(args)
+    base = load_base(args)
     print(f"reading {how}")
-    reports = [dora_doctor.analyse_file(path, base) for path in files]
+    reports = [analyse_file(path, base) for path in files]
     for report in reports:
         print_report(report, args.problems_only)
-    code = dora_doctor.EXIT_PROBLEMS if any(report.damaged for report in reports) else dora_doctor.EXIT_CLEAN
+    code = EXIT_PROBLEMS if any(report.damaged for report in reports) else EXIT_CLEAN
     if code:
         with_base = f" --base_model {args.base_model}" if base else ""
         hint = "" if base else " (with --base_model it also checks norms and keeps DoRA modules it repairs)"

@@ -113,10 +113,11 @@ def run_trainer(config_data: dict[str, Any], clock: StepClock) -> None:
     """One real training run, start to finish (its steps land in `clock`)."""
     import train_sdxl
     from sdxl_trainer.config import validate_config
+    from sdxl_trainer.planning import plan_run
 
     config = validate_config(config_data)
     with silenced():
-        code = train_sdxl.train(config, train_sdxl.plan_run(config))
+        code = train_sdxl.train(config, plan_run(config))
     if code != 0:
         raise RuntimeError(f"train() returned {code}")
 
@@ -129,11 +130,12 @@ class BareLoop:
         from diffusers import DDPMScheduler, StableDiffusionXLPipeline
         from peft import LoraConfig
 
-        import dataset
-        import train_sdxl
         from sdxl_trainer.adapters import text_encoder_target_modules, unet_target_modules
         from sdxl_trainer.config import validate_config
+        from sdxl_trainer.data import ImageCaptionDataset, collate
+        from sdxl_trainer.data_plan import plan_dataset
         from sdxl_trainer.latent_cache import vae_fingerprint
+        from sdxl_trainer.planning import make_latent_cache
         from sdxl_trainer.tiny_model import tiny_sdxl_path
 
         config = validate_config(config_data)
@@ -154,11 +156,11 @@ class BareLoop:
         self.optimizer = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01)
         self.scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
         # The trainer's own data loader over its latent cache (built by the trainer's first run).
-        plan = dataset.plan_dataset(config.data, 1)
-        cache = train_sdxl.make_latent_cache(config, vae_fingerprint(pipe.vae.state_dict().values()))
+        plan = plan_dataset(config.data, 1)
+        cache = make_latent_cache(config, vae_fingerprint(pipe.vae.state_dict().values()))
         self.loader = torch.utils.data.DataLoader(
-            dataset.ImageCaptionDataset(plan.scan.images, plan.targets, config.data, 42, cache),
-            batch_sampler=plan.sampler(42), collate_fn=dataset.collate, num_workers=0)
+            ImageCaptionDataset(plan.scan.images, plan.targets, config.data, 42, cache),
+            batch_sampler=plan.sampler(42), collate_fn=collate, num_workers=0)
         self.batches = self._forever()
 
     def _forever(self) -> Iterator[dict]:

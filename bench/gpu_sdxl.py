@@ -6,10 +6,11 @@ checkpointing off and on. Measures it/s, images/s, peak VRAM and model-FLOPs uti
     python bench/gpu_sdxl.py --batch-sizes 1 8      # other batch sizes
     python bench/gpu_sdxl.py --smoke                # CPU, the tiny model, seconds: checks the code path
 
-The step is the trainer's own: its precision plan and casts, `prepare_trainable` (peft DoRA or
-unfrozen weights), `make_optimizer`, `diffusion_loss` (both text encoders run every step, as in
-training), then what `train()` does per optimizer step: gradient norm, NaN guard (one host sync),
-optimizer step, zero_grad, LR schedule. Data loading is not in it (latents are given).
+The step is the trainer's own: `start_run` sets up the run (precision plan and casts, peft DoRA or
+unfrozen weights, optimizer, accelerate), then each step calls the functions `train()` calls:
+`forward_backward` (per-image draws, both text encoders, the loss) and `optimizer_step` (gradient
+norm, NaN guard, optimizer step, zero_grad, LR schedule). Data loading is not in it (latents are
+given).
 
 FLOPs per step are counted by torch.utils.flop_counter.FlopCounterMode on one real forward and
 backward pass of the same model (matmuls, convolutions and PyTorch SDPA attention), with gradient
@@ -75,48 +76,35 @@ def build_pipeline(smoke: bool, device):
 
 
 class TrainerStep:
-    """One optimizer step as train() runs it, on a pipeline set up by the trainer's own functions."""
+    """The trainer's own step on a given pipeline: `start_run` sets it up (precision plan, casts,
+    peft DoRA or unfrozen weights, optimizer, accelerate), and each call runs `forward_backward`
+    and `optimizer_step` from sdxl_trainer/run.py, exactly what `train()` runs per step."""
 
-    def __init__(self, pipe, mode: str, args: argparse.Namespace, device) -> None:
-        import torch
-
-        from sdxl_trainer.attention import set_attention
+    def __init__(self, pipe, mode: str, args: argparse.Namespace) -> None:
         from sdxl_trainer.config import validate_config
-        from sdxl_trainer.diffusion import make_noise_scheduler
-        from sdxl_trainer.lr_schedule import make_lr_scheduler
-        from sdxl_trainer.nan_guard import NaNGuard
-        from sdxl_trainer.optimizers import make_optimizer
-        from sdxl_trainer.precision import audit, cast_trained_parameters, place_pipeline, plan_precision
-        from sdxl_trainer.training_setup import prepare_trainable
+        from sdxl_trainer.planning import RunPlan
+        from sdxl_trainer.run import start_run
 
-        self.config = config = validate_config({
+        config = validate_config({
             "model": {"id": "builtin:tiny-sdxl", "train_text_encoder_1": args.text_encoder,
                       "use_gradient_checkpointing": False, "attention": "sdpa"},
             "adapter": {"type": mode, "rank": args.rank, "alpha": args.rank},
             "run": {"name": "gpu_sdxl"},
-            "training": {"num_steps": 10**6, "mixed_precision": "bf16", "lr_unet": 1e-5,
-                         "lr_text_encoder_1": 1e-5 if args.text_encoder else None},
+            "training": {"num_steps": 10**6, "mixed_precision": "bf16", "lr_unet": 1e-5, "seed": 1,
+                         "lr_text_encoder_1": 1e-5 if args.text_encoder else None,
+                         "tensorboard": {"enabled": False}},
             "optimizer": {"type": args.optimizer},
+            "eval": {"live": {"enabled": False}, "final": {"enabled": False}},
         })
-        self.precision = precision = plan_precision(config, device.type)
-        place_pipeline(pipe, precision, device)
-        set_attention(pipe.unet, config.model.attention, device.type)
-        self.noise_scheduler = make_noise_scheduler(pipe.scheduler.config, None, False)
-        self.trainable = trainable = prepare_trainable(pipe, config)
-        cast_trained_parameters(trainable.modules, precision)
-        audit(pipe, precision, adapter=trainable.is_adapter)
-        self.optimizer = make_optimizer(config.optimizer, trainable.param_groups(), device.type,
-                                        bf16_weights=precision.components["unet"].trained == "bf16")
-        self.lr_scheduler = make_lr_scheduler(self.optimizer, config.training, 10**6)
-        self.guard = NaNGuard("abort", 0, precision.uses_grad_scaler)
-        self.parameters = list(trainable.parameters())
-        self.autocast = torch.autocast(device.type, dtype=precision.torch_dtype(precision.compute),
-                                       enabled=precision.compute != "fp32")
-        self.pipe, self.device, self.step_index = pipe, device, 0
+        # No data plan: the benchmark feeds its own batches of latents.
+        self.run = start_run(config, RunPlan(data=None, total_steps=10**6, prompts=[], preflight=""), pipe)
+        self.run.progress.disable = True
+        self.device = self.run.device
+        self.optimizer = self.run.optimizer
 
     def checkpointing(self, on: bool) -> None:
         """Gradient checkpointing on or off, with the calls prepare_trainable uses."""
-        for name, module in self.trainable.modules.items():
+        for name, module in self.run.trainable.modules.items():
             if name == "unet":
                 module.enable_gradient_checkpointing() if on else module.disable_gradient_checkpointing()
             else:
@@ -129,39 +117,22 @@ class TrainerStep:
         side = torch.tensor([[latent_side * 8, latent_side * 8]] * size)
         return {"latents": torch.randn(size, 4, latent_side, latent_side), "captions": [CAPTION] * size,
                 "original_sizes": side, "crops_top_left": torch.zeros(size, 2, dtype=torch.long),
-                "target_sizes": side, "paths": [f"image_{i}.png" for i in range(size)]}
+                "target_sizes": side, "paths": [f"image_{i}.png" for i in range(size)],
+                "keys": [(i, 0) for i in range(size)]}
 
     def forward_backward(self, batch: dict[str, Any]):
-        """The loss of one batch (random noise and timesteps, as in training) and its gradients."""
-        import torch
+        """The loss of one batch (its per-image draws, as in training) and its gradients."""
+        from sdxl_trainer.run import forward_backward
 
-        from train_sdxl import diffusion_loss
-
-        latents = batch["latents"]
-        noise = torch.randn(latents.shape, device=self.device)
-        timesteps = torch.randint(0, self.noise_scheduler.config.num_train_timesteps, (latents.shape[0],),
-                                  device=self.device)
-        with self.autocast:
-            loss = diffusion_loss(self.pipe, self.noise_scheduler, batch, self.device, noise=noise, timesteps=timesteps)
-        loss.backward()
-        return loss
+        return forward_backward(self.run, batch)
 
     def __call__(self, batch: dict[str, Any]) -> None:
-        import torch
-
         from sdxl_trainer.nan_guard import OK
+        from sdxl_trainer.run import optimizer_step
 
-        self.step_index += 1
-        loss = self.forward_backward(batch)
-        if self.config.training.max_grad_norm:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters, self.config.training.max_grad_norm)
-        else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in self.parameters if p.grad is not None])
-        if self.guard.check(loss, grad_norm, self.step_index, batch["paths"]) != OK:
-            raise RuntimeError(f"non-finite loss or gradients at step {self.step_index}")
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.lr_scheduler.step()
+        result = optimizer_step(self.run, self.forward_backward(batch))
+        if result.verdict != OK:
+            raise RuntimeError(f"non-finite loss or gradients at step {self.run.position.step + 1}")
 
 
 def count_flops(step: TrainerStep, batch: dict[str, Any]) -> float:
@@ -209,7 +180,7 @@ def run_mode(mode: str, args: argparse.Namespace, device, peak: float | None) ->
     import torch
 
     pipe = build_pipeline(args.smoke, device)
-    step = TrainerStep(pipe, mode, args, device)
+    step = TrainerStep(pipe, mode, args)
     latent_side = 8 if args.smoke else 128
     label = f"DoRA rank {args.rank}" if mode == "dora" else "full"
     rows, flops = [], {}

@@ -1,14 +1,16 @@
 """Adapter files, whichever tool wrote them: which format a file is, its modules read one at a
 time, and merging one into a loaded pipeline (the trainer's own loader, for both formats).
 
-- diffusers/peft (`pytorch_lora_weights.safetensors`, FORMATS.md §4): keys
-  `<component>.<module>.lora_A.weight`, `.lora_B.weight` and, for DoRA,
-  `.lora_magnitude_vector.weight` ([out] for Linear, [1, out, 1, 1] for Conv2d). Alpha lives only
-  in the `lora_adapter_metadata` JSON; without it diffusers takes alpha = rank.
-- kohya/LyCORIS (`<run>_kohya.safetensors`; ComfyUI, A1111, FORMATS.md §3): keys
+- diffusers/peft (`pytorch_lora_weights.safetensors`): keys `<component>.<module>.lora_A.weight`,
+  `.lora_B.weight` and, for DoRA, `.lora_magnitude_vector.weight` ([out] for Linear,
+  [1, out, 1, 1] for Conv2d). Alpha lives only in the `lora_adapter_metadata` JSON; without it
+  diffusers takes alpha = rank.
+- kohya/LyCORIS (`<run>_kohya.safetensors`; ComfyUI, A1111): keys
   `lora_<unet|te1|te2>_<module path with _>.lora_down.weight`, `.lora_up.weight`, a 0-dim
   `.alpha` and, for DoRA, `.dora_scale` on the output axis ([out, 1], [out, 1, 1, 1]) or, from
   LyCORIS before 3.2, the input axis ([1, in], [1, in, 1, 1]).
+
+docs/formats.md has both in full ("Adapter files: diffusers/peft", "Adapter files: kohya/LyCORIS").
 
 Each format's spellings are recognised in the other too, so a kohya file with leftover peft names
 still reads; `canonical_key` is the spelling the format should use. Files are read tensor by
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from .adapters import DIFFUSERS_WEIGHT_NAME
 from .kohya_format import PREFIXES, kohya_module_name
 from .kohya_format import merged_weight as kohya_merged_weight
+from .tensor_reader import TensorReader
 
 if TYPE_CHECKING:
     import torch
@@ -55,48 +58,6 @@ CANONICAL_SUFFIXES = {
 
 class AdapterFileError(ValueError):
     """The path is not a readable adapter file (or folder holding one); the message says why."""
-
-
-class TensorReader:
-    """One safetensors file, read a tensor at a time.
-
-    safe_open maps the file into memory, and every page read stays in the process's resident set
-    until the mapping is closed. The file is therefore closed after every REOPEN_BYTES read and
-    opened again on demand, which keeps the resident set near one module plus REOPEN_BYTES.
-    """
-
-    REOPEN_BYTES = 32 << 20
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._handle: Any = None
-        self._bytes_read = 0
-        handle = self._open()
-        self.keys: list[str] = list(handle.keys())
-        self.metadata: dict[str, str] = handle.metadata() or {}
-        slices = {key: handle.get_slice(key) for key in self.keys}
-        self.shapes = {key: tuple(part.get_shape()) for key, part in slices.items()}
-        self.dtypes = {key: part.get_dtype() for key, part in slices.items()}
-
-    def get(self, key: str) -> torch.Tensor:
-        tensor = self._open().get_tensor(key)  # a copy, not a view of the mapping
-        self._bytes_read += tensor.nbytes
-        if self._bytes_read >= self.REOPEN_BYTES:
-            self._handle, self._bytes_read = None, 0  # unmaps the file
-        return tensor
-
-    def close(self) -> None:
-        self._handle = None
-
-    def _open(self) -> Any:
-        if self._handle is None:
-            from safetensors import SafetensorError, safe_open
-
-            try:
-                self._handle = safe_open(str(self.path), framework="pt")
-            except (OSError, SafetensorError) as error:
-                raise AdapterFileError(f"{self.path}: not a readable safetensors file ({error})") from error
-        return self._handle
 
 
 @dataclass
@@ -202,7 +163,7 @@ class AdapterFile:
 
     def __init__(self, path: str | Path, name_map: dict[str, tuple[str, str]] | None = None) -> None:
         self.path = Path(path)
-        self.reader = TensorReader(self.path)
+        self.reader = TensorReader([self.path], AdapterFileError)
         self.format, self.format_reason = _detect(self.reader.keys, self.path)
         self.groups, self.other_keys = _group(self.format, self.reader.keys, self.path)
         if not self.groups:
@@ -258,8 +219,8 @@ class AdapterFile:
 
 def canonical_module_name(file_format: str, name: str) -> str:
     """The module name the format should use. kohya: `lora_<unet|te1|te2>_` + the path with `_`
-    for `.` and, for the text encoders, `text_model_` (ComfyUI needs it, FORMATS.md §3.1); a
-    peft-named module (`unet.down_blocks.0…`) is turned into its kohya name."""
+    for `.` and, for the text encoders, `text_model_` (ComfyUI needs it: docs/formats.md, "Module
+    names"); a peft-named module (`unet.down_blocks.0…`) is turned into its kohya name."""
     if file_format == PEFT:
         return name
     component, _, path = name.partition(".")
@@ -307,7 +268,7 @@ def adapter_files(path: str | Path) -> tuple[list[Path], str]:
     found = _trainer_files(path)
     if found:
         return found, f"the trainer's adapter file(s) in folder {path}"
-    from .outputs import list_checkpoints
+    from .checkpointing import list_checkpoints
 
     for checkpoint in reversed(list_checkpoints(path / "checkpoints")):
         found = _trainer_files(checkpoint)

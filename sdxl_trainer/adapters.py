@@ -1,5 +1,6 @@
 """DoRA / LoRA adapters through peft: which modules get them, attaching, and saving them in the
-diffusers/peft format that `pipe.load_lora_weights` loads exactly (FORMATS.md §4)."""
+diffusers/peft format that `pipe.load_lora_weights` loads exactly (docs/formats.md, 'Adapter files:
+diffusers/peft')."""
 
 from __future__ import annotations
 
@@ -89,9 +90,9 @@ def attach_adapter(module: torch.nn.Module, adapter: AdapterConfig, names: list[
 def adapter_state_dict(module: torch.nn.Module, component: str) -> dict[str, torch.Tensor]:
     """The adapter tensors of one component under the key names diffusers loads exactly.
 
-    Two verified pitfalls (FORMATS.md §4): CLIP-L keys must keep the `text_model.` prefix that
-    transformers >= 5.6 no longer puts in state dicts, and DoRA magnitudes load into the text
-    encoders only when spelled `lora_magnitude_vector.weight`.
+    Two verified pitfalls (docs/formats.md, 'Adapter files: diffusers/peft'): CLIP-L keys must keep
+    the `text_model.` prefix that transformers >= 5.6 no longer puts in state dicts, and DoRA
+    magnitudes load into the text encoders only when spelled `lora_magnitude_vector.weight`.
     """
     from peft import get_peft_model_state_dict
 

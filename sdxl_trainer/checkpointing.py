@@ -13,15 +13,25 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
+import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .atomic import atomic_path
+from . import outputs
+from .atomic import atomic_dir, atomic_path
 from .config import Config, ConfigError
+
+if TYPE_CHECKING:
+    from diffusers import StableDiffusionXLPipeline
+
+    from .training_setup import Trainable
 
 STATE_FILE = "trainer_state.pt"
 STATE_FORMAT = 1
+CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
 @dataclass
@@ -114,26 +124,38 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------- save / load
-def save_state(path: Path, config: Config, soft: dict[str, Any], position: Position,
-               optimizer_state: dict[str, Any], lr_scheduler, scaler, ema, nan_skips: int, seed: int,
-               rng_states: list[dict[str, Any]]) -> None:
-    """Write the trainer state atomically; `optimizer_state` is the whole optimizer's (gathered
-    under FSDP) and `rng_states` holds one `rng_state()` per process."""
+@dataclass
+class TrainerSnapshot:
+    """The live training state a checkpoint saves beside the weights, taken at one step."""
+
+    position: Position
+    seed: int
+    optimizer: dict[str, Any]  # the whole optimizer's state (gathered under FSDP)
+    lr_scheduler: dict[str, Any]
+    scaler: dict[str, Any]
+    ema: dict[str, Any] | None
+    nan_skips: int  # consecutive skipped steps (NaN policy "skip")
+    rng: list[dict[str, Any]]  # one `rng_state()` per process
+
+
+def save_state(path: Path, config: Config, soft: dict[str, Any], snapshot: TrainerSnapshot) -> None:
+    """Write the trainer state atomically."""
     import torch
 
+    position = snapshot.position
     state = {
         "format": STATE_FORMAT,
         "identity": identity(config),
         "soft": soft,
         "config": json.dumps(config.resolved()),
         "position": {"step": position.step, "epoch": position.epoch, "batches_in_epoch": position.batches_in_epoch},
-        "seed": seed,
-        "optimizer": optimizer_state,
-        "lr_scheduler": lr_scheduler.state_dict(),
-        "scaler": scaler.state_dict(),
-        "ema": ema.state_dict() if ema is not None else None,
-        "nan_skips": nan_skips,
-        "rng": rng_states,
+        "seed": snapshot.seed,
+        "optimizer": snapshot.optimizer,
+        "lr_scheduler": snapshot.lr_scheduler,
+        "scaler": snapshot.scaler,
+        "ema": snapshot.ema,
+        "nan_skips": snapshot.nan_skips,
+        "rng": snapshot.rng,
     }
     with atomic_path(path) as tmp:
         torch.save(state, tmp)
@@ -162,8 +184,6 @@ def resolve_resume(config: Config) -> tuple[Path, Path] | None:
     `resume_from` is an output folder, a checkpoint folder, or "latest" (the newest complete
     checkpoint of this run); `resume_state_path` defaults to `<resume_from>/trainer_state.pt`.
     """
-    from .outputs import list_checkpoints
-
     resume_from = config.training.resume_from
     if resume_from is None:
         return None
@@ -180,3 +200,31 @@ def resolve_resume(config: Config) -> tuple[Path, Path] | None:
     if not state.is_file():
         raise ConfigError(f"training.resume_from = {str(folder)!r}: no {state.name} (set training.resume_state_path)")
     return folder, state
+
+
+# ------------------------------------------------------------------------ checkpoint folders
+def save_checkpoint(config: Config, pipe: StableDiffusionXLPipeline, trainable: Trainable, step: int,
+                    write_state: Callable[[Path], None]) -> Path:
+    """Write `checkpoints/checkpoint-<step>/` (weights and trainer state) as one atomic folder,
+    refresh the run's own state file, then delete the oldest checkpoints beyond the limit."""
+    root = config.output_dir / "checkpoints"
+    destination = root / f"checkpoint-{step}"
+    for leftover in root.glob(".checkpoint-*"):  # from a run killed while writing
+        shutil.rmtree(leftover, ignore_errors=True)
+    with atomic_dir(destination) as tmp:
+        outputs.save_weights(tmp, pipe, trainable)
+        write_state(tmp / STATE_FILE)
+    write_state(config.state_path)
+    limit = config.training.checkpoints_total_limit
+    if limit:
+        for old in list_checkpoints(root)[:-limit]:
+            shutil.rmtree(old)
+    return destination
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoint folders, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := CHECKPOINT_NAME.match(p.name))]
+    return [path for _, path in sorted(found)]

@@ -1,8 +1,8 @@
 """The config schema: the single source of truth for every option of a run.
 
 Validation, defaults, `config.schema.json` and the README's option table all come from the
-pydantic models below (see `schema_docs.py`). CONFIG.md in the design documents is the contract;
-key names follow the original tool's README so existing configs load unchanged.
+pydantic models below (see `schema_docs.py`). Key names follow the original tool's README so
+existing configs load unchanged (docs/design.md, 'Config compatibility with the original tool').
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import json
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -558,8 +559,14 @@ def _did_you_mean(loc: list[str]) -> str:
         model = _model_of(field.annotation) if field else None
     if model is None:
         return ""
-    match = difflib.get_close_matches(loc[-1], list(model.model_fields), n=1, cutoff=0.6)
-    return f"; did you mean {'.'.join([*loc[:-1], match[0]])}?" if match else ""
+    match = closest(loc[-1], model.model_fields)
+    return f"; did you mean {'.'.join([*loc[:-1], match])}?" if match else ""
+
+
+def closest(word: str, choices: Iterable[str]) -> str | None:
+    """The valid name nearest to a misspelt one, if any is near enough to suggest."""
+    matches = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return matches[0] if matches else None
 
 
 def _model_of(annotation: Any) -> type[BaseModel] | None:

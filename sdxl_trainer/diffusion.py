@@ -1,12 +1,14 @@
-"""Noise, timesteps and training targets (DDPM forward process, epsilon or v-prediction)."""
+"""The training loss: latents, conditioning, noise and timesteps (the DDPM forward process), the
+target (epsilon or v-prediction) and its weighting."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
-    from diffusers import DDPMScheduler
+    from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionXLPipeline
 
 
 def make_noise_scheduler(
@@ -21,26 +23,15 @@ def make_noise_scheduler(
     return DDPMScheduler.from_config(scheduler_config, **overrides)
 
 
-def sample_noise(latents: torch.Tensor, noise_offset: float, generator=None) -> torch.Tensor:
-    """Gaussian noise, plus offset noise (one random value per image and channel) when set."""
+def sample_noise(shape: tuple[int, ...], noise_offset: float, generator=None) -> torch.Tensor:
+    """Gaussian noise of `shape` (one image, or a batch), plus offset noise when set: one extra
+    random value per image and channel, constant over height and width."""
     import torch
 
-    noise = torch.randn(latents.shape, generator=generator, device=latents.device, dtype=latents.dtype)
+    noise = torch.randn(shape, generator=generator)
     if noise_offset:
-        offset = torch.randn(
-            (latents.shape[0], latents.shape[1], 1, 1), generator=generator,
-            device=latents.device, dtype=latents.dtype,
-        )
-        noise = noise + noise_offset * offset
+        noise = noise + noise_offset * torch.randn((*shape[:-2], 1, 1), generator=generator)
     return noise
-
-
-def sample_timesteps(scheduler: DDPMScheduler, batch_size: int, device, generator=None) -> torch.Tensor:
-    """Uniform training timesteps in [0, num_train_timesteps)."""
-    import torch
-
-    high = scheduler.config.num_train_timesteps
-    return torch.randint(0, high, (batch_size,), generator=generator, device=device).long()
 
 
 def training_target(
@@ -84,10 +75,19 @@ def loss_weights(
     return clipped / ratio.clamp(min=1e-8)
 
 
+@dataclass
+class Draws:
+    """The random values one batch's loss uses: the noise, the timesteps, and the noise of the VAE
+    posterior sample (used only when the batch holds pixels rather than cached latents)."""
+
+    noise: torch.Tensor
+    timesteps: torch.Tensor
+    posterior_noise: torch.Tensor
+
+
 def sample_draws(keys: list[tuple[int, int]], seed: int, num_train_timesteps: int, latent_shape: tuple[int, ...],
-                 noise_offset: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(noise, timesteps, posterior noise) for a batch, each sample from its own generator seeded
-    by (seed, image, epoch).
+                 noise_offset: float) -> Draws:
+    """The draws of a batch, each sample from its own generator seeded by (seed, image, epoch).
 
     The draws of an image never depend on which other images share its batch, how many processes
     split the global batch, or whether the run was resumed: one process with batch 4 and two with
@@ -98,14 +98,69 @@ def sample_draws(keys: list[tuple[int, int]], seed: int, num_train_timesteps: in
     import torch
 
     noises, timesteps, posteriors = [], [], []
-    channels = latent_shape[1]
     for index, epoch in keys:
         digest = hashlib.sha256(f"{seed}-{index}-{epoch}".encode()).digest()
         generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
         timesteps.append(torch.randint(0, num_train_timesteps, (1,), generator=generator))
-        noise = torch.randn(latent_shape[1:], generator=generator)
-        if noise_offset:
-            noise = noise + noise_offset * torch.randn((channels, 1, 1), generator=generator)
-        noises.append(noise)
+        noises.append(sample_noise(latent_shape[1:], noise_offset, generator))
         posteriors.append(torch.randn(latent_shape[1:], generator=generator))
-    return torch.stack(noises), torch.cat(timesteps), torch.stack(posteriors)
+    return Draws(torch.stack(noises), torch.cat(timesteps), torch.stack(posteriors))
+
+
+@dataclass
+class LossModels:
+    """What one loss runs: the pipeline (its VAE, tokenizers and config) and the UNet and text
+    encoders to call, which in training are the distributed or compiled wrappers of the
+    pipeline's own modules."""
+
+    pipe: StableDiffusionXLPipeline
+    unet: torch.nn.Module
+    text_encoders: list[torch.nn.Module]
+
+    @classmethod
+    def of(cls, pipe: StableDiffusionXLPipeline) -> LossModels:
+        """The pipeline's own modules, unwrapped (validation loss, tests, benchmarks)."""
+        return cls(pipe, pipe.unet, [pipe.text_encoder, pipe.text_encoder_2])
+
+
+def scaled_latents(vae: AutoencoderKL, batch: dict, posterior_noise: torch.Tensor, device) -> torch.Tensor:
+    """The batch's latents times the VAE's own scaling factor (the one eval decodes with): from the
+    latent cache, or encoded now in fp32 without autocast and sampled with `posterior_noise`."""
+    import torch
+
+    if "latents" in batch:  # from the latent cache: the VAE encoder never runs
+        latents = batch["latents"].to(device, torch.float32)
+    else:
+        with torch.no_grad(), torch.autocast(torch.device(device).type, enabled=False):
+            posterior = vae.encode(batch["pixel_values"].to(device, dtype=vae.dtype)).latent_dist
+            noise = posterior_noise.to(device, posterior.mean.dtype)
+            latents = (posterior.mean + posterior.std * noise).float()
+    return latents * vae.config.scaling_factor
+
+
+def conditioning(models: LossModels, batch: dict, device) -> dict[str, torch.Tensor]:
+    """The UNet's conditioning inputs: both encoders' text embeddings and SDXL's size ids."""
+    from .conditioning import add_time_ids, encode_prompts
+
+    pipe = models.pipe
+    prompt_embeds, pooled_embeds = encode_prompts(
+        batch["captions"], [pipe.tokenizer, pipe.tokenizer_2], models.text_encoders, device,
+        zero_empty=pipe.config.force_zeros_for_empty_prompt,
+    )
+    time_ids = add_time_ids(batch["original_sizes"], batch["crops_top_left"], batch["target_sizes"]).to(device)
+    return {"encoder_hidden_states": prompt_embeds,
+            "added_cond_kwargs": {"text_embeds": pooled_embeds, "time_ids": time_ids}}
+
+
+def diffusion_loss(models: LossModels, scheduler: DDPMScheduler, batch: dict, draws: Draws, device,
+                   snr_gamma: float | None = None, min_sigma: float | None = None) -> torch.Tensor:
+    """The SDXL denoising loss of one batch: the UNet's prediction from the noised latents against
+    its target (noise or velocity), squared error in fp32, optionally min-SNR weighted."""
+    latents = scaled_latents(models.pipe.vae, batch, draws.posterior_noise, device)
+    noise, timesteps = draws.noise.to(device), draws.timesteps.to(device)
+    noisy_latents = scheduler.add_noise(latents, noise, timesteps)
+    target = training_target(scheduler, latents, noise, timesteps)
+    prediction = models.unet(noisy_latents, timesteps, **conditioning(models, batch, device)).sample
+    per_sample = (prediction.float() - target.float()).pow(2).mean(dim=(1, 2, 3))
+    weights = loss_weights(scheduler, timesteps, snr_gamma, min_sigma)
+    return (per_sample * weights).mean() if weights is not None else per_sample.mean()

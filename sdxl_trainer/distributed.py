@@ -74,12 +74,11 @@ def check_finite_everywhere(accelerator: Accelerator, trainable: Trainable) -> N
     """Raise NonFiniteWeightsError in every process when a trained weight holds NaN/Inf in any.
     Each process checks what it holds (a whole copy under DDP, its slices under FSDP); together
     they stop instead of waiting for a main process that refused to save."""
-    import torch
     from accelerate.utils import gather_object
 
-    from .outputs import NonFiniteWeightsError
+    from .finite import NonFiniteWeightsError, non_finite_names
 
-    bad = [name for name, param in trainable.named_parameters() if not torch.isfinite(local_tensor(param)).all()]
+    bad = non_finite_names((name, local_tensor(param)) for name, param in trainable.named_parameters())
     if accelerator.num_processes > 1:
         bad = sorted({name for names in gather_object([bad]) for name in names})
     if bad:

@@ -12,13 +12,12 @@ one `resolution` (or `size`) string "WIDTHxHEIGHT"; what is not given comes from
 
 from __future__ import annotations
 
-import difflib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import BUCKET_KEY, ConfigError
+from .config import BUCKET_KEY, ConfigError, closest
 
 SIZE_MULTIPLE = 8  # the VAE's downsampling factor: latents need whole pixels
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
@@ -69,8 +68,8 @@ def _parse_entry(entry: Any, index: int, default_width: int, default_height: int
         raise ValueError(f'must be an object like {{"prompt": "...", "seed": 1}}, not {json.dumps(entry)}')
     for key in entry:
         if key not in KEYS:
-            match = difflib.get_close_matches(key, KEYS, n=1)
-            hint = f'; did you mean "{match[0]}"?' if match else f"; valid keys: {', '.join(KEYS)}"
+            match = closest(key, KEYS)
+            hint = f'; did you mean "{match}"?' if match else f"; valid keys: {', '.join(KEYS)}"
             raise ValueError(f'unknown key "{key}"{hint}')
     if not isinstance(entry.get("prompt"), str):
         raise ValueError('"prompt" is required and must be a string')

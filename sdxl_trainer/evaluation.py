@@ -26,6 +26,7 @@ from PIL import Image, ImageDraw
 from .atomic import atomic_dir
 from .eval_prompts import EvalPrompt
 from .image_checks import LIKELY_CAUSES, check_image
+from .module_modes import eval_mode
 from .samplers import check_sampler, make_eval_scheduler
 
 if TYPE_CHECKING:
@@ -134,14 +135,15 @@ def _render(pipe: StableDiffusionXLPipeline, vae: AutoencoderKL, eval_config: Ev
         generator=torch.Generator().manual_seed(prompt.seed),  # on the CPU: the same noise on every device
         output_type="latent",
     ).images
-    # The scaling factor from the VAE's own config: the one training encodes with (seed 001).
+    # The scaling factor from the VAE's own config, the one training encodes with: a hard-coded
+    # factor of another VAE corrupts the latents (docs/design.md, 'The original tool's NaN post-mortems').
     decoded = vae.decode(latents.to(vae.device, torch.float32) / vae.config.scaling_factor).sample
     return pipe.image_processor.postprocess(decoded, output_type="np")[0]  # clamps to [0, 1]; NaN stays NaN
 
 
 def _fp32_vae(vae: AutoencoderKL) -> AutoencoderKL:
-    """The VAE to decode with: itself in fp32, else an fp32 copy (an fp16 VAE overflows to NaN,
-    seed 003); a copy leaves the training pipeline's VAE untouched."""
+    """The VAE to decode with: itself in fp32, else an fp32 copy (an fp16 VAE overflows to NaN;
+    docs/design.md, 'Precision policy'); a copy leaves the training pipeline's VAE untouched."""
     import torch
 
     return vae if vae.dtype == torch.float32 else copy.deepcopy(vae).float()
@@ -149,21 +151,17 @@ def _fp32_vae(vae: AutoencoderKL) -> AutoencoderKL:
 
 @contextlib.contextmanager
 def _pipeline_state_kept(pipe: StableDiffusionXLPipeline) -> Iterator[None]:
-    """Every module in eval() for the duration; then each submodule's own `.training` flag (a
-    frozen submodule inside a training UNet stays in eval) and the pipeline's scheduler."""
+    """Every module in eval mode for the duration (each gets its own flags back), and the
+    pipeline's scheduler restored."""
     import torch
 
     modules = [module for module in pipe.components.values() if isinstance(module, torch.nn.Module)]
-    flags = [(sub, sub.training) for module in modules for sub in module.modules()]
     scheduler = pipe.scheduler
     try:
-        for module in modules:
-            module.eval()
-        yield
+        with eval_mode(modules):
+            yield
     finally:
         pipe.scheduler = scheduler
-        for sub, training in flags:
-            sub.training = training
 
 
 @contextlib.contextmanager

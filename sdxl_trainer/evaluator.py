@@ -49,7 +49,7 @@ class Evaluator:
         self.config = config
         self.prompts = prompts
         self.validation = validation
-        self.loss_fn = loss_fn  # loss_fn(pipe, batch, noise=..., timesteps=..., generator=...)
+        self.loss_fn = loss_fn  # loss_fn(pipe, batch, draws)
         self.trained_names = trained_names
         self.writer = writer
         self.results: list[dict[str, Any]] = []
@@ -97,11 +97,11 @@ def make_validation(batches: list[dict], num_train_timesteps: int, seed: int) ->
 
 def validation_batches(data_plan, config: Config, seed: int, cache) -> list[dict]:
     """The first few batches of the data, without augmentation, always the same."""
-    import dataset
+    from .data import ImageCaptionDataset, collate
 
     plain = config.data.model_copy(update={
         "caption_dropout_prob": 0.0, "caption_shuffle_prob": 0.0, "random_flip": False, "crop": "center",
     })
-    items = dataset.ImageCaptionDataset(data_plan.scan.images, data_plan.targets, plain, seed, cache)
+    items = ImageCaptionDataset(data_plan.scan.images, data_plan.targets, plain, seed, cache)
     chosen = data_plan.sampler(seed).batches(epoch=0)[:VALIDATION_BATCHES]
-    return [dataset.collate([items[(index, 0)] for index in batch]) for batch in chosen]
+    return [collate([items[(index, 0)] for index in batch]) for batch in chosen]

@@ -18,11 +18,12 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import converter
 from .adapters import save_diffusers_adapter
 from .config import Config, ConfigError
+from .finite import check_finite
 from .kohya_format import lora_layers, save_kohya_adapter
 from .models import with_components
-from .outputs import check_finite
 
 if TYPE_CHECKING:
     import torch
@@ -60,7 +61,8 @@ def check_export(config: Config) -> None:
 
 
 def is_own_converter(script: Path) -> bool:
-    """Whether `script` is this project's converttosdxl.py (run in-process, not as a subprocess)."""
+    """Whether `script` is this project's converttosdxl.py, whose logic (`converter`) runs in-process
+    rather than as a subprocess."""
     return script.resolve() == OWN_CONVERTER
 
 
@@ -141,11 +143,9 @@ def convert(config: Config, model_path: Path) -> Path:
     export, destination = config.export, config.checkpoint_path
     script = Path(export.converter_script)
     if is_own_converter(script):
-        import converttosdxl
-
         try:
-            return converttosdxl.convert(model_path, destination, half=export.half_precision, overwrite=True)
-        except converttosdxl.ConversionError as error:
+            return converter.convert(model_path, destination, half=export.half_precision, overwrite=True)
+        except converter.ConversionError as error:
             raise ExportError(f"single-file export failed: {error}") from error
     command = [sys.executable, str(script), "--model_path", str(model_path), "--checkpoint_path", str(destination)]
     if export.half_precision:

@@ -1,5 +1,6 @@
 """Is a rendered image real? NaN anywhere in sampling ends up as an all-black PNG once it is cast
-to 8 bits (NaN becomes 0), and a script that does not look reports success (seeds 000, 002).
+to 8 bits (NaN becomes 0), and a script that does not look reports success (docs/design.md,
+'The original tool's NaN post-mortems').
 
 The check runs on the decoded float image, before the 8-bit conversion hides the NaN.
 """
@@ -18,7 +19,8 @@ RANGE_TOLERANCE = 1e-3  # float rounding; beyond it the caller passed something 
 BLACK_LEVEL = 0.5 / 255  # every pixel below this is 0 in the 8-bit file: all black
 FLAT_SPREAD = 1.0 / 255  # max - min below one 8-bit step: one single colour, no picture
 
-# What produced images like these in the original tool (the seeds' post-mortems).
+# What produced images like these in the original tool (docs/design.md, 'The original tool's NaN
+# post-mortems').
 LIKELY_CAUSES = (
     "NaN/Inf in the weights, typically adapters (DoRA) trained in fp16: train with "
     'training.mixed_precision "no" or "bf16"; debug_dora_weights.py analyses adapter weights',

@@ -1,5 +1,5 @@
 """Adapters in the kohya/LyCORIS file format, the one ComfyUI, A1111-family UIs and kohya tools
-load (FORMATS.md §3).
+load (docs/formats.md, 'Adapter files: kohya/LyCORIS').
 
 Each adapted layer becomes a group of tensors named `lora_<unet|te1|te2>_<module path with _>`:
 `lora_down.weight` (peft's lora_A), `lora_up.weight` (lora_B), a 0-dim `alpha` (so that kohya's
@@ -33,7 +33,8 @@ def kohya_module_name(component: str, module_path: str, unet_config: Mapping[str
     UNet modules go by their sgm path (`down_blocks.1.attentions.0.proj_in` →
     `lora_unet_input_blocks_4_1_proj_in`) because kohya trains SDXL on an sgm-named UNet. Text
     encoder names always carry `text_model`, which transformers >= 5.6 leaves out of CLIP-L
-    module paths; without it ComfyUI recognises none of them (FORMATS.md §3.1).
+    module paths; without it ComfyUI recognises none of them (docs/formats.md, 'Adapter files:
+    kohya/LyCORIS', 'Module names').
     """
     if component not in PREFIXES:
         raise ValueError(f"unknown component {component!r}; expected one of {', '.join(PREFIXES)}")
@@ -133,7 +134,7 @@ def merged_weight(
 
     LoRA: W + (alpha/r)·up@down. DoRA: V·(dora_scale/‖V‖_row) with V = W + ΔW, the output-axis
     formula of peft and LyCORIS >= 3.2 (LyCORIS adds 1.2e-7 to the norm, peft does not; this
-    follows peft). Current ComfyUI divides by ‖W‖_row instead (FORMATS.md §3.4).
+    follows peft). Current ComfyUI divides by ‖W‖_row instead (docs/formats.md, 'DoRA').
     """
     rank = down.shape[0]
     delta = (up.flatten(1) @ down.flatten(1)).reshape(base_weight.shape) * (float(alpha) / rank)

@@ -50,11 +50,10 @@ class NaNGuard:
 def non_finite_report(step: int, loss: torch.Tensor, paths: list[str], timesteps: list[int],
                       named_parameters: list[tuple[str, torch.nn.Parameter]], reason: str) -> str:
     """A report that says where to look: the batch, the timesteps, the tensors that broke."""
-    import torch
+    from .finite import non_finite_names
 
-    bad_values = [name for name, p in named_parameters if not torch.isfinite(p.detach()).all()]
-    bad_grads = [name for name, p in named_parameters
-                 if p.grad is not None and not torch.isfinite(p.grad.detach()).all()]
+    bad_values = non_finite_names(named_parameters)
+    bad_grads = non_finite_names((name, p.grad) for name, p in named_parameters if p.grad is not None)
 
     def listing(names: list[str]) -> str:
         return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "") or "none"

@@ -1,46 +1,23 @@
-"""Everything a run writes: weights (adapter file or pipeline folder), periodic checkpoints,
-TensorBoard scalars and `run_summary.json`. Every write is atomic."""
+"""What a run writes besides checkpoints: weights (adapter file or pipeline folder), TensorBoard
+scalars and `run_summary.json`. Every write is atomic."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .adapters import save_diffusers_adapter
-from .atomic import atomic_dir, write_json
-from .checkpointing import STATE_FILE
+from .atomic import write_json
 from .config import Config, TensorBoardConfig
+from .finite import check_finite
 
 if TYPE_CHECKING:
     from diffusers import StableDiffusionXLPipeline
 
     from .training_setup import Trainable
-
-CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
-
-
-class NonFiniteWeightsError(RuntimeError):
-    """Trained weights hold NaN/Inf: they are never written."""
-
-    @classmethod
-    def for_tensors(cls, names: list[str]) -> NonFiniteWeightsError:
-        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-        return cls(f"{len(names)} trained tensor(s) hold NaN/Inf: {shown}")
-
-
-def check_finite(trainable: Trainable) -> None:
-    import torch
-
-    bad = [name for name, param in trainable.named_parameters() if not torch.isfinite(param).all()]
-    if bad:
-        raise NonFiniteWeightsError.for_tensors(bad)
-
 
 def save_weights(folder: Path, pipe: StableDiffusionXLPipeline, trainable: Trainable) -> None:
     """Adapter runs: `pytorch_lora_weights.safetensors`; full runs: a diffusers pipeline folder."""
@@ -64,33 +41,6 @@ def save_pipeline(folder: Path, pipe: StableDiffusionXLPipeline) -> None:
                 old = Path(tmp) / f".old-{entry.name}"
                 os.replace(destination, old)
             os.replace(entry, destination)
-
-
-def save_checkpoint(config: Config, pipe: StableDiffusionXLPipeline, trainable: Trainable, step: int,
-                    write_state: Callable[[Path], None]) -> Path:
-    """Write `checkpoints/checkpoint-<step>/` (weights and trainer state) as one atomic folder,
-    refresh the run's own state file, then delete the oldest checkpoints beyond the limit."""
-    root = config.output_dir / "checkpoints"
-    destination = root / f"checkpoint-{step}"
-    for leftover in root.glob(".checkpoint-*"):  # from a run killed while writing
-        shutil.rmtree(leftover, ignore_errors=True)
-    with atomic_dir(destination) as tmp:
-        save_weights(tmp, pipe, trainable)
-        write_state(tmp / STATE_FILE)
-    write_state(config.state_path)
-    limit = config.training.checkpoints_total_limit
-    if limit:
-        for old in list_checkpoints(root)[:-limit]:
-            shutil.rmtree(old)
-    return destination
-
-
-def list_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoint folders, oldest first."""
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := CHECKPOINT_NAME.match(p.name))]
-    return [path for _, path in sorted(found)]
 
 
 def save_final(config: Config, pipe: StableDiffusionXLPipeline, trainable: Trainable) -> None:

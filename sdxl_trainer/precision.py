@@ -1,7 +1,8 @@
 """The precision policy: decided once from the config and the device, printed as a table, and
 audited after setup.
 
-Rules, each from a post-mortem in the original tool's documents:
+Rules, each from a post-mortem in the original tool's documents (docs/design.md, 'Precision
+policy' and 'The original tool's NaN post-mortems'):
 - The VAE runs in fp32 (an fp16 VAE overflows in its GroupNorms and decodes black images),
   unless `model.vae_fp16_safe` says the configured VAE was made for fp16.
 - Trained parameters keep fp32 master weights (adapters, or fully trained modules), except a
@@ -9,7 +10,8 @@ Rules, each from a post-mortem in the original tool's documents:
 - fp16 compute uses a grad scaler; the loss is always computed in fp32.
 - Apple MPS never runs fp16 (it produces NaN and black images): it falls back to fp32.
 - After setup every parameter and buffer is checked against the plan: a layer created after the
-  cast (the dtype-mismatch crash of one post-mortem) is caught with a clear message.
+  cast (an fp32 `conv_in` created after `.half()` crashed the original tool) is caught with a
+  clear message.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 MPS_FP16_REFUSAL = (
-    "fp16 on Apple MPS produces NaN during denoising and black images (see the MPS post-mortem); "
+    "fp16 on Apple MPS produces NaN during denoising and black images; "
     "training falls back to fp32"
 )
 FP16_DORA_WARNING = (

@@ -12,11 +12,10 @@ lists the valid ones, never a silently different sampler.
 
 from __future__ import annotations
 
-import difflib
 import inspect
 from typing import TYPE_CHECKING, Any
 
-from .config import ConfigError
+from .config import ConfigError, closest
 
 if TYPE_CHECKING:
     from diffusers import SchedulerMixin
@@ -159,5 +158,5 @@ def _has_sigma_schedules(scheduler_class: type) -> bool:
 
 
 def _did_you_mean(name: str, choices) -> str:
-    match = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
-    return f' (did you mean "{match[0]}"?)' if match else ""
+    match = closest(name, choices)
+    return f' (did you mean "{match}"?)' if match else ""

@@ -2,7 +2,8 @@
 
 ComfyUI, A1111-family UIs and diffusers' `from_single_file` load SDXL as one file in the layout of
 Stability's `sgm` code. This module turns the four state dicts of a diffusers pipeline (UNet, VAE,
-CLIP-L text encoder, OpenCLIP-bigG text encoder) into that layout; FORMATS.md §1 is the spec.
+CLIP-L text encoder, OpenCLIP-bigG text encoder) into that layout, as docs/formats.md,
+'Single-file checkpoints (SGM keys)' describes it.
 
 The map is a *plan*: a list of output tensors, each with its sgm key, the source keys it is built
 from, the transform and the resulting shape and dtype. A plan is computed from tensor shapes and
@@ -26,7 +27,8 @@ COMPONENTS = ("unet", "vae", "text_encoder", "text_encoder_2")
 
 UNET_PREFIX = "model.diffusion_model."
 VAE_PREFIX = "first_stage_model."
-# transformers ≥ 5.6 saves CLIPTextModel without `text_model.`; the sgm key needs it (FORMATS §1.4).
+# transformers ≥ 5.6 saves CLIPTextModel without `text_model.`; the sgm key needs it, or diffusers
+# refuses the file and ComfyUI drops CLIP-L (docs/formats.md, 'Single-file checkpoints (SGM keys)').
 TE1_PREFIX = "conditioner.embedders.0.transformer.text_model."
 TE2_PREFIX = "conditioner.embedders.1.model."
 

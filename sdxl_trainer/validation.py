@@ -3,10 +3,12 @@ is a smooth curve that shows whether the run still learns (the training loss is 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from .diffusion import Draws
+from .module_modes import eval_mode
 
 if TYPE_CHECKING:
     import torch
@@ -18,48 +20,33 @@ _TIMESTEP_FRACTIONS = (0.1, 0.3, 0.5, 0.7, 0.9)
 @dataclass
 class ValidationSet:
     batches: list[dict]
-    noises: list[torch.Tensor]
-    timesteps: list[torch.Tensor]
-    seeds: list[int]
+    draws: list[Draws]
 
 
 def make_validation_set(batches: list[dict], latent_shapes: list[tuple[int, ...]], num_train_timesteps: int,
                         seed: int) -> ValidationSet:
-    """Fix noise and timesteps for each batch once, from `seed` (never from the global RNG)."""
+    """Fix the draws of each batch once, from `seed` (never from the global RNG)."""
     import torch
 
-    noises, timesteps, seeds = [], [], []
+    draws = []
     for index, shape in enumerate(latent_shapes):
-        generator = torch.Generator().manual_seed(seed + index)
-        noises.append(torch.randn(shape, generator=generator))
+        noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed + index))
         count = shape[0]
         fractions = [_TIMESTEP_FRACTIONS[(index + i) % len(_TIMESTEP_FRACTIONS)] for i in range(count)]
-        timesteps.append(torch.tensor([int(f * num_train_timesteps) for f in fractions]))
-        seeds.append(seed + 1000 + index)
-    return ValidationSet(batches, noises, timesteps, seeds)
+        timesteps = torch.tensor([int(f * num_train_timesteps) for f in fractions])
+        # The VAE posterior sample, when the latents are not cached.
+        posterior_noise = torch.randn(shape, generator=torch.Generator().manual_seed(seed + 1000 + index))
+        draws.append(Draws(noise, timesteps, posterior_noise))
+    return ValidationSet(batches, draws)
 
 
-def validation_loss(modules: list[torch.nn.Module], loss_fn: Callable[..., torch.Tensor],
+def validation_loss(modules: list[torch.nn.Module], loss_fn: Callable[[dict, Draws], torch.Tensor],
                     validation: ValidationSet) -> float:
     """Mean loss over the fixed batches, in eval mode, without gradients; modes are restored."""
     import torch
 
     losses = []
-    with _eval_mode(modules), torch.no_grad():
-        for batch, noise, timesteps, seed in zip(validation.batches, validation.noises, validation.timesteps,
-                                                 validation.seeds, strict=True):
-            generator = torch.Generator().manual_seed(seed)  # the VAE posterior sample, when uncached
-            losses.append(loss_fn(batch, noise=noise, timesteps=timesteps, generator=generator).item())
+    with eval_mode(modules), torch.no_grad():
+        for batch, draws in zip(validation.batches, validation.draws, strict=True):
+            losses.append(loss_fn(batch, draws).item())
     return sum(losses) / len(losses)
-
-
-@contextlib.contextmanager
-def _eval_mode(modules: list[torch.nn.Module]) -> Iterator[None]:
-    flags = [(sub, sub.training) for module in modules for sub in module.modules()]
-    for module in modules:
-        module.eval()
-    try:
-        yield
-    finally:
-        for sub, training in flags:
-            sub.training = training

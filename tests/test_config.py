@@ -11,7 +11,8 @@ from sdxl_trainer.config import ConfigError, apply_override, load_config, valida
 from sdxl_trainer.schema_docs import stale_files
 from tests.helpers import ROOT, run_cli, tiny_config, write_config
 
-# Every key the original tool's README (seed 004) names, with the values it shows.
+# Every key the original tool's README names, with the values it shows (docs/design.md, 'Config
+# compatibility with the original tool').
 SEED_README_CONFIG = {
     "model": {
         "id": "stabilityai/stable-diffusion-xl-base-1.0", "use_ema": True, "ema_decay": 0.9999,

@@ -206,7 +206,7 @@ def full_size():
 def test_full_size_plan_has_the_sdxl_key_set_and_shapes(full_size) -> None:
     _, plan = full_size
     shapes = {entry.key: entry.shape for entry in plan}
-    assert len(shapes) == len(plan) == 2515  # FORMATS §1.1: 2513 required + position_ids + logit_scale
+    assert len(shapes) == len(plan) == 2515  # 2513 required + position_ids + logit_scale
     counts = {prefix: sum(k.startswith(prefix) for k in shapes) for prefix in (UNET_PREFIX, VAE_PREFIX)}
     counts[TE1_PREFIX] = sum(k.startswith(TE1_PREFIX) and k != POSITION_IDS_KEY for k in shapes)
     counts[TE2_PREFIX] = sum(k.startswith(TE2_PREFIX) and k != LOGIT_SCALE_KEY for k in shapes)
@@ -241,7 +241,8 @@ def test_full_size_plan_has_the_sdxl_key_set_and_shapes(full_size) -> None:
     }
     assert {key: shapes.get(key) for key in expected} == expected
 
-    # Transformer depth per block, counted the way ComfyUI's detector counts it (FORMATS §1.8).
+    # Transformer depth per block, counted the way ComfyUI's detector counts it (docs/formats.md,
+    # 'Single-file checkpoints (SGM keys)', 'How loaders recognise SDXL').
     def depth(block: str) -> int:
         prefix = f"{UNET_PREFIX}{block}.1.transformer_blocks."
         return len({k[len(prefix):].split(".")[0] for k in shapes if k.startswith(prefix)})
@@ -300,7 +301,8 @@ def test_key_map_refuses_weights_that_do_not_fit(tiny_sdxl_dir: Path) -> None:
             build_plan(changed, unet_config, configs["vae"])
         return str(error.value)
 
-    # diffusers would load these files without a word, leaving the tensor unloaded (FORMATS §1.6).
+    # diffusers would load these files without a word, leaving the tensor unloaded (docs/formats.md,
+    # 'Single-file checkpoints (SGM keys)', 'Missing and optional keys').
     message = refused("text_encoder", lambda d: d.pop("encoder.layers.2.mlp.fc2.bias"))
     assert message == "text_encoder: 1 tensor(s) missing, e.g. encoder.layers.2.mlp.fc2.bias"
     message = refused("text_encoder_2", lambda d: d.pop("text_model.encoder.layers.0.self_attn.v_proj.weight"))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -129,3 +131,14 @@ def test_exif_rotation_swaps_the_reported_size(tmp_path: Path, orientation: int)
     record = dataset.scan_images(DataConfig(image_dir=str(tmp_path))).images[0]
     assert (record.width, record.height) == (200, 300)
     assert dataset.load_rgb(record.path).size == (200, 300)
+
+
+def test_dataset_py_only_re_exports_the_package() -> None:
+    """`import dataset` is the user's interface; the code lives in `sdxl_trainer`, which never
+    imports the top-level script."""
+    tree = ast.parse(Path(dataset.__file__).read_text(encoding="utf-8"))
+    assert {type(node).__name__ for node in tree.body} <= {"Expr", "ImportFrom", "Assign"}
+    assert all(hasattr(dataset, name) for name in dataset.__all__)
+    package = Path(dataset.__file__).parent / "sdxl_trainer"
+    for path in package.rglob("*.py"):
+        assert not re.search(r"^\s*(import|from) dataset\b", path.read_text(encoding="utf-8"), re.M), path

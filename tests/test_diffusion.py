@@ -36,9 +36,9 @@ def test_zero_terminal_snr_makes_the_last_timestep_pure_noise() -> None:
 def test_noise_offset_adds_one_value_per_image_and_channel() -> None:
     latents = torch.zeros(3, 4, 16, 16)
     torch.manual_seed(0)
-    plain = sample_noise(latents, 0.0)
+    plain = sample_noise(latents.shape, 0.0)
     torch.manual_seed(0)
-    offset = sample_noise(latents, 0.5)
+    offset = sample_noise(latents.shape, 0.5)
     difference = offset - plain
     # Constant over height and width, different across images/channels: 0.5 x one gaussian each.
     torch.testing.assert_close(difference, difference[:, :, :1, :1].expand_as(difference))

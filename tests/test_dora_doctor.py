@@ -24,7 +24,6 @@ from safetensors.torch import load_file, save_file
 
 import debug_dora_weights
 import fix_dora_weights
-from sdxl_trainer import dora_doctor
 from sdxl_trainer.adapter_files import (
     KOHYA,
     PEFT,
@@ -37,6 +36,11 @@ from sdxl_trainer.adapter_files import (
     merged_weight,
     split_key,
 )
+from sdxl_trainer.doctor import checks
+from sdxl_trainer.doctor.base_weights import BaseWeights
+from sdxl_trainer.doctor.repairs import RepairOptions
+from sdxl_trainer.doctor.report import analyse_file
+from sdxl_trainer.doctor.rewrite import plan_repairs, write_repaired
 from sdxl_trainer.image_checks import check_image
 from sdxl_trainer.kohya_format import kohya_module_name
 from sdxl_trainer.safetensors_stream import StreamWriter, TensorSpec
@@ -218,12 +222,12 @@ def damaged(request, run_output: Path, tiny_sdxl_dir: Path, tmp_path_factory) ->
         NAN_MODULE, INF_MODULE, ZERO_MAGNITUDE_MODULE, FP16_MODULE, NAMES_MODULE, ONE_D_MODULE, LEFTOVER_MODULE,
         ZERO_ROW_MODULE)}
     expected = {
-        names[NAN_MODULE]: {dora_doctor.NON_FINITE},
-        names[INF_MODULE]: {dora_doctor.NON_FINITE},
-        names[ZERO_MAGNITUDE_MODULE]: {dora_doctor.ZERO_MAGNITUDE},
-        names[FP16_MODULE]: {dora_doctor.FP16_OVERFLOW},
-        names[NAMES_MODULE]: {dora_doctor.NAMES},
-        names[ZERO_ROW_MODULE]: {dora_doctor.ZERO_NORM},  # only visible with the base weights
+        names[NAN_MODULE]: {checks.NON_FINITE},
+        names[INF_MODULE]: {checks.NON_FINITE},
+        names[ZERO_MAGNITUDE_MODULE]: {checks.ZERO_MAGNITUDE},
+        names[FP16_MODULE]: {checks.FP16_OVERFLOW},
+        names[NAMES_MODULE]: {checks.NAMES},
+        names[ZERO_ROW_MODULE]: {checks.ZERO_NORM},  # only visible with the base weights
     }
 
     def damage(tensors: dict[str, torch.Tensor]) -> None:
@@ -248,8 +252,8 @@ def damaged(request, run_output: Path, tiny_sdxl_dir: Path, tmp_path_factory) ->
         te_name = names[NAMES_MODULE]  # CLIP-L without `text_model_`: ComfyUI ignores it
         for key in [key for key in tensors if key.startswith(te_name + ".")]:
             tensors[key.replace("lora_te1_text_model_", "lora_te1_")] = tensors.pop(key)
-        expected[names[ONE_D_MODULE]] = {dora_doctor.SHAPE}
-        expected[leftover] = {dora_doctor.NAMES, dora_doctor.SHAPE}
+        expected[names[ONE_D_MODULE]] = {checks.SHAPE}
+        expected[leftover] = {checks.NAMES, checks.SHAPE}
 
     folder = tmp_path_factory.mktemp(f"damaged-{file_format.split('/')[0]}")
     return rewrite(adapter_path(run_output, file_format), folder / "adapter.safetensors", damage), expected
@@ -259,7 +263,7 @@ def test_each_kind_of_damage_is_found_in_exactly_its_module(damaged, base_with_z
     path, expected = damaged
     base = str(base_with_zero_row)
     assert debug(str(path), "--base_model", base, json_path=tmp_path / "with_base.json") == (1, expected)
-    without_base = {name: kinds for name, kinds in expected.items() if kinds != {dora_doctor.ZERO_NORM}}
+    without_base = {name: kinds for name, kinds in expected.items() if kinds != {checks.ZERO_NORM}}
     assert debug(str(path), json_path=tmp_path / "without_base.json") == (1, without_base)
 
 
@@ -305,8 +309,9 @@ def test_repaired_adapter_is_clean_loads_and_renders(damaged, base_with_zero_row
 
 def test_seed_commands_run_unchanged_on_a_trainer_checkpoint(run_output: Path, tiny_sdxl_dir: Path,
                                                              tmp_path: Path) -> None:
-    """Seed 000's two commands, word for word, on a checkpoint folder the trainer wrote (renamed
-    to the seed's step 250) whose DoRA weights went NaN as in an fp16 run."""
+    """The original tool's two repair commands for fp16 DoRA black images, word for word, on a
+    checkpoint folder the trainer wrote (renamed to their step 250) whose DoRA weights went NaN as
+    in an fp16 run (docs/design.md, 'The original tool's NaN post-mortems')."""
     checkpoint = tmp_path / "output" / "checkpoints" / "checkpoint-250"
     shutil.copytree(run_output / "checkpoints" / "checkpoint-1", checkpoint)
     assert debug(str(checkpoint)) == (0, {})
@@ -362,19 +367,19 @@ def test_dry_run_writes_nothing_and_in_place_keeps_a_backup(run_output: Path, tm
 def test_magnitude_outliers_are_clamped_only_when_asked(run_output: Path, tmp_path: Path) -> None:
     key = ZERO_MAGNITUDE_MODULE + ".lora_magnitude_vector.weight"
     path = rewrite(adapter_path(run_output, PEFT), tmp_path / "a.safetensors", lambda tensors: tensors[key].mul_(50))
-    base = dora_doctor.BaseModel(TINY)
-    report = dora_doctor.analyse_file(path, base)
+    base = BaseWeights(TINY)
+    report = analyse_file(path, base)
     assert [(module.label, [f.kind for f in module.findings]) for module in report.damaged] == [
-        (ZERO_MAGNITUDE_MODULE, [dora_doctor.OUTLIER])]
-    assert not dora_doctor.analyse_file(path, None).damaged  # it takes the base norms to see it
+        (ZERO_MAGNITUDE_MODULE, [checks.OUTLIER])]
+    assert not analyse_file(path, None).damaged  # it takes the base norms to see it
 
-    plan = dora_doctor.plan_repairs(path, dora_doctor.RepairOptions(base))
-    assert (plan.changed, [finding.kind for _, finding in plan.remaining]) == (0, [dora_doctor.OUTLIER])
-    options = dora_doctor.RepairOptions(base, clamp_outliers=True)
-    plan = dora_doctor.plan_repairs(path, options)
+    plan = plan_repairs(path, RepairOptions(base))
+    assert (plan.changed, [finding.kind for _, finding in plan.remaining]) == (0, [checks.OUTLIER])
+    options = RepairOptions(base, clamp_outliers=True)
+    plan = plan_repairs(path, options)
     assert (plan.changed, plan.remaining) == (1, [])
-    dora_doctor.write_repaired(plan, tmp_path / "fixed.safetensors", options, backup=None)
-    assert not dora_doctor.analyse_file(tmp_path / "fixed.safetensors", base).damaged
+    write_repaired(plan, tmp_path / "fixed.safetensors", options, backup=None)
+    assert not analyse_file(tmp_path / "fixed.safetensors", base).damaged
 
 
 def test_unreadable_input_exits_2_with_one_line(tmp_path: Path, tiny_sdxl_dir: Path, capsys) -> None:

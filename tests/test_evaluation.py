@@ -25,23 +25,28 @@ from sdxl_trainer.samplers import SAMPLERS, check_sampler, make_eval_scheduler
 from sdxl_trainer.training_setup import prepare_trainable
 from tests.helpers import ROOT, tiny_config
 
-# What each sampler must be, written out independently of the table in samplers.py.
+# What each sampler must be, written out independently of the table in samplers.py: the class,
+# then the settings that make it that sampler as "key=value" pairs.
+EXPECTED_TABLE = """
+euler              EulerDiscreteScheduler
+euler_a            EulerAncestralDiscreteScheduler
+heun               HeunDiscreteScheduler
+lms                LMSDiscreteScheduler
+dpm_2              KDPM2DiscreteScheduler
+dpm_2_a            KDPM2AncestralDiscreteScheduler
+dpmpp_2m           DPMSolverMultistepScheduler     algorithm_type=dpmsolver++ solver_type=midpoint
+dpmpp_2m_sde       DPMSolverMultistepScheduler     algorithm_type=sde-dpmsolver++ solver_type=midpoint
+dpmpp_2m_sde_heun  DPMSolverMultistepScheduler     algorithm_type=sde-dpmsolver++ solver_type=heun
+dpmpp_sde          DPMSolverSinglestepScheduler    algorithm_type=sde-dpmsolver++
+ddim               DDIMScheduler                   clip_sample=False
+ddpm               DDPMScheduler                   clip_sample=False
+unipc              UniPCMultistepScheduler         solver_type=bh2
+deis               DEISMultistepScheduler          algorithm_type=deis solver_type=logrho
+pndm               PNDMScheduler                   skip_prk_steps=True
+"""
 EXPECTED_SCHEDULERS = {
-    "euler": ("EulerDiscreteScheduler", {}),
-    "euler_a": ("EulerAncestralDiscreteScheduler", {}),
-    "heun": ("HeunDiscreteScheduler", {}),
-    "lms": ("LMSDiscreteScheduler", {}),
-    "dpm_2": ("KDPM2DiscreteScheduler", {}),
-    "dpm_2_a": ("KDPM2AncestralDiscreteScheduler", {}),
-    "dpmpp_2m": ("DPMSolverMultistepScheduler", {"algorithm_type": "dpmsolver++", "solver_type": "midpoint"}),
-    "dpmpp_2m_sde": ("DPMSolverMultistepScheduler", {"algorithm_type": "sde-dpmsolver++", "solver_type": "midpoint"}),
-    "dpmpp_2m_sde_heun": ("DPMSolverMultistepScheduler", {"algorithm_type": "sde-dpmsolver++", "solver_type": "heun"}),
-    "dpmpp_sde": ("DPMSolverSinglestepScheduler", {"algorithm_type": "sde-dpmsolver++"}),
-    "ddim": ("DDIMScheduler", {"clip_sample": False}),
-    "ddpm": ("DDPMScheduler", {"clip_sample": False}),
-    "unipc": ("UniPCMultistepScheduler", {"solver_type": "bh2"}),
-    "deis": ("DEISMultistepScheduler", {"algorithm_type": "deis", "solver_type": "logrho"}),
-    "pndm": ("PNDMScheduler", {"skip_prk_steps": True}),
+    name: (class_name, dict(pair.split("=") for pair in settings))
+    for name, class_name, *settings in (line.split() for line in EXPECTED_TABLE.strip().splitlines())
 }
 # Samplers whose diffusers scheduler has no karras/exponential/beta sigmas (read in diffusers 0.42).
 ONLY_NORMAL_SIGMAS = {"euler_a", "ddim", "ddpm", "pndm"}
@@ -103,7 +108,7 @@ def test_sampler_builds_the_intended_scheduler(shared_pipe, sampler_name: str) -
     scheduler = make_eval_scheduler(base, sampler_name, "normal")
     assert type(scheduler).__name__ == class_name
     for key, value in settings.items():
-        assert scheduler.config[key] == value, key
+        assert str(scheduler.config[key]) == value, key
     if sampler_name not in ONLY_NORMAL_SIGMAS:
         assert not any(scheduler.config[flag] for flag in SIGMA_FLAGS)
     # The model's own noise schedule is kept.

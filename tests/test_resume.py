@@ -155,14 +155,14 @@ def test_ctrl_c_saves_a_checkpoint_and_prints_a_working_resume_command(tmp_path:
 
 
 def test_a_repeated_signal_is_one_request_and_a_later_press_exits_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    import train_sdxl
+    from sdxl_trainer.stop_request import StopRequest
 
-    stop = train_sdxl.StopRequest()
+    stop = StopRequest()
     try:
         for _ in range(2):  # a launcher passing on the signal it got: the same stop, twice
             os.kill(os.getpid(), signal.SIGTERM)
         assert stop.requested
-        monkeypatch.setattr(train_sdxl.StopRequest, "REPEAT_WINDOW_S", 0.0)  # now "seconds later"
+        monkeypatch.setattr(StopRequest, "REPEAT_WINDOW_S", 0.0)  # now "seconds later"
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
         assert signal.getsignal(signal.SIGINT) is stop.previous[signal.SIGINT]  # handlers given back

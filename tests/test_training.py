@@ -11,12 +11,11 @@ import torch
 
 import dataset
 from sdxl_trainer.config import validate_config
-from sdxl_trainer.diffusion import make_noise_scheduler
+from sdxl_trainer.diffusion import Draws, LossModels, diffusion_loss, make_noise_scheduler
 from sdxl_trainer.models import load_pipeline
 from sdxl_trainer.optimizers import make_optimizer
 from sdxl_trainer.training_setup import prepare_trainable
 from tests.helpers import run_cli, tiny_config, write_config
-from train_sdxl import diffusion_loss
 
 
 def fixed_batch(config) -> dict:
@@ -40,9 +39,11 @@ def test_loss_at_fixed_noise_and_timesteps_falls(tmp_path: Path, tiny_sdxl_dir: 
     noise = torch.randn((2, 4, 8, 8), generator=torch.Generator().manual_seed(0))
     timesteps = torch.tensor([250, 650])
 
+    posterior_noise = torch.randn((2, 4, 8, 8), generator=torch.Generator().manual_seed(5))  # the same VAE sample
+
     def loss() -> torch.Tensor:
-        torch.manual_seed(5)  # the same VAE posterior sample every time
-        return diffusion_loss(pipe, noise_scheduler, batch, "cpu", noise=noise, timesteps=timesteps)
+        return diffusion_loss(LossModels.of(pipe), noise_scheduler, batch, Draws(noise, timesteps, posterior_noise),
+                              "cpu")
 
     with torch.no_grad():
         before = loss().item()

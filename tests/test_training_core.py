@@ -15,7 +15,7 @@ import dataset
 from sdxl_trainer.bf16_adamw import StochasticRoundingAdamW
 from sdxl_trainer.conditioning import encode_prompts
 from sdxl_trainer.config import LRSchedulerConfig, validate_config
-from sdxl_trainer.diffusion import loss_weights, make_noise_scheduler, snr
+from sdxl_trainer.diffusion import Draws, LossModels, diffusion_loss, loss_weights, make_noise_scheduler, snr
 from sdxl_trainer.ema import EMA
 from sdxl_trainer.lr_schedule import lr_factor
 from sdxl_trainer.models import load_pipeline
@@ -29,7 +29,6 @@ from sdxl_trainer.precision import (
 )
 from sdxl_trainer.training_setup import prepare_trainable
 from tests.helpers import run_cli, tiny_config, write_config
-from train_sdxl import diffusion_loss
 
 SDXL_SCHEDULER = {"num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012,
                   "beta_schedule": "scaled_linear", "prediction_type": "epsilon"}
@@ -86,7 +85,7 @@ def test_audit_catches_a_layer_created_after_the_cast(tmp_path: Path, tiny_sdxl_
     cast_trained_parameters(trainable.modules, plan)
     audit(pipe, plan, adapter=True)  # as planned: passes
     assert pipe.unet.down_blocks[1].attentions[0].proj_in.lora_A["default"].weight.dtype == torch.float32
-    old = pipe.unet.conv_in  # the post-mortem's bug: a new layer after .half() stays fp32
+    old = pipe.unet.conv_in  # the original tool's bug: a new layer after .half() stays fp32
     pipe.unet.conv_in = torch.nn.Conv2d(old.in_channels, old.out_channels, 3, padding=1)
     with pytest.raises(PrecisionAuditError, match=r"unet\.conv_in\.weight is float32, planned bfloat16"):
         audit(pipe, plan, adapter=True)
@@ -204,9 +203,11 @@ def fixed_batch_loss_drop(tmp_path: Path, optimizer_type: str, gradient_checkpoi
     optimizer = make_optimizer(config.optimizer, trainable.param_groups())
     noise = torch.randn((2, 4, 8, 8), generator=torch.Generator().manual_seed(0))
 
+    posterior_noise = torch.randn((2, 4, 8, 8), generator=torch.Generator().manual_seed(5))
+    draws = Draws(noise, torch.tensor([250, 650]), posterior_noise)
+
     def loss() -> torch.Tensor:
-        return diffusion_loss(pipe, scheduler, batch, "cpu", noise=noise, timesteps=torch.tensor([250, 650]),
-                              generator=torch.Generator().manual_seed(5))
+        return diffusion_loss(LossModels.of(pipe), scheduler, batch, draws, "cpu")
 
     before = loss()
     for _ in range(steps):
@@ -235,8 +236,9 @@ def test_gradient_checkpointing_gives_the_same_gradients(tmp_path: Path, tiny_sd
         assert pipe.unet.is_gradient_checkpointing == checkpointing
         height, width = batch["target_sizes"][0].tolist()
         noise = torch.randn((1, 4, height // 8, width // 8), generator=torch.Generator().manual_seed(0))
-        diffusion_loss(pipe, scheduler, batch, "cpu", noise=noise, timesteps=torch.tensor([400]),
-                       generator=torch.Generator().manual_seed(1)).backward()
+        posterior_noise = torch.randn(noise.shape, generator=torch.Generator().manual_seed(1))
+        draws = Draws(noise, torch.tensor([400]), posterior_noise)
+        diffusion_loss(LossModels.of(pipe), scheduler, batch, draws, "cpu").backward()
         # (CLIP-L's last layer gets no gradient: SDXL reads the penultimate hidden state.)
         grads.append({name: p.grad.clone() for name, p in trainable.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 500

@@ -1,0 +1,74 @@
+"""Reading one image file: checking that it decodes, and loading it as 8-bit RGB pixels.
+
+Every format quirk (EXIF orientation, transparency, 16-bit and float modes, CMYK, palettes) is
+handled here, so the rest of the data pipeline only ever sees plain RGB images.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+# EXIF orientations 5-8 turn the image by 90 degrees: width and height swap.
+_ROTATED_ORIENTATIONS = {5, 6, 7, 8}
+_EXIF_ORIENTATION = 0x0112
+_SIXTEEN_BIT_MODES = {"I;16", "I;16L", "I;16B", "I;16N", "I"}
+
+
+def inspect_image(path: Path, max_pixels: int) -> tuple[int, int, str] | str:
+    """(width, height as displayed, sha256 of the bytes), or the reason the image cannot be used.
+
+    The whole image is decoded once, so that a corrupt or truncated file is found before training.
+    """
+    content = path.read_bytes()
+    if not content:
+        return "empty file (0 bytes)"
+    try:
+        with Image.open(io.BytesIO(content)) as image:
+            width, height = image.size
+            if width * height > max_pixels:
+                return f"too large: {width}x{height} is over data.max_image_pixels={max_pixels}"
+            if image.getexif().get(_EXIF_ORIENTATION) in _ROTATED_ORIENTATIONS:
+                width, height = height, width
+            image.load()  # a truncated or corrupt file fails here
+    except Image.DecompressionBombError:
+        return "too large: refused as a possible decompression bomb"
+    except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as exc:
+        return f"cannot read image: {exc}"
+    return width, height, hashlib.sha256(content).hexdigest()
+
+
+def load_rgb(path: Path, background: tuple[int, int, int] = (255, 255, 255)) -> Image.Image:
+    """Open an image as 8-bit RGB with EXIF orientation applied.
+
+    Transparency (RGBA, LA, palette with a transparent colour) is composited onto `background`
+    rather than dropped (dropping it turns transparent areas into whatever colour they hide);
+    16-bit grayscale is scaled down rather than clipped; CMYK and grayscale are converted.
+    """
+    with Image.open(path) as opened:
+        image = ImageOps.exif_transpose(opened)
+        if image.mode in _SIXTEEN_BIT_MODES:
+            values = np.asarray(image, dtype=np.float64)
+            if image.mode != "I" or values.max() > 255:
+                values = values / 257.0
+            return Image.fromarray(np.clip(values.round(), 0, 255).astype(np.uint8), "L").convert("RGB")
+        if image.mode == "F":
+            values = np.clip(np.asarray(image, dtype=np.float64), 0.0, 1.0) * 255.0
+            return Image.fromarray(values.round().astype(np.uint8), "L").convert("RGB")
+        has_alpha = image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info
+        if has_alpha:
+            rgba = image.convert("RGBA")
+            canvas = Image.new("RGBA", rgba.size, (*background, 255))
+            return Image.alpha_composite(canvas, rgba).convert("RGB")
+        return image.convert("RGB")
+
+
+def to_tensor(image: Image.Image) -> torch.Tensor:
+    """RGB image → float16 tensor in [-1, 1], channels first (float16 halves the RAM)."""
+    pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)
+    return pixels.to(torch.float16)

@@ -1,0 +1,138 @@
+"""What a run decides before it loads any model: the inputs are there, the data plan, the number
+of steps, the eval prompts, where a resume starts, and the pre-flight report that says so."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .config import UNBUILT, Config, ConfigError, unbuilt_options
+
+if TYPE_CHECKING:
+    from .data_plan import DatasetPlan
+    from .eval_prompts import EvalPrompt
+    from .latent_cache import LatentCache
+
+
+@dataclass
+class RunPlan:
+    """Everything decided before any model is loaded."""
+
+    data: DatasetPlan
+    total_steps: int
+    prompts: list[EvalPrompt]  # eval prompts (empty when eval is off)
+    preflight: str  # the report printed at the start and logged to TensorBoard
+    resume: tuple[Path, dict[str, Any]] | None = None  # (folder with the weights, trainer state) to continue from
+    command: list[str] = field(default_factory=list)  # the arguments of this run, for the resume hint
+
+
+def check_inputs(config: Config) -> None:
+    """Problems that need no model weights: unbuilt options, missing paths and packages."""
+    from .attention import check_attention
+    from .distributed import check_launch
+    from .export import check_export
+    from .models import resolve_source
+
+    unbuilt = unbuilt_options(config)
+    if unbuilt:
+        details = "; ".join(f"{key} ({UNBUILT[key][1]})" for key in unbuilt)
+        raise ConfigError(f"not implemented yet: {details}")
+    check_attention(config.model.attention)
+    check_launch(config, os.environ)
+    resolve_source(config.model.id)
+    check_export(config)
+    if config.model.vae:
+        resolve_source(config.model.vae, key="model.vae")
+    if not Path(config.data.image_dir).is_dir():
+        raise ConfigError(f"data.image_dir = {config.data.image_dir!r}: no such folder")
+
+
+def plan_run(config: Config) -> RunPlan:
+    """The data plan, the step count, the eval prompts and the resume point, with the report."""
+    from .checkpointing import check_compatible, load_state, resolve_resume, soft_settings
+    from .data_plan import plan_dataset
+    from .evaluator import eval_prompts
+
+    prompts = eval_prompts(config)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch / torchrun
+    data_plan = plan_dataset(config.data, config.training.batch_size, world_size)
+    if not data_plan.scan.images:
+        raise ConfigError(f"data.image_dir = {config.data.image_dir!r}: no readable images found")
+    total_steps = count_steps(config, data_plan.batches_per_epoch)
+    preflight = describe_plan(config, data_plan, total_steps)
+    if config.data.latent_cache.enabled:
+        preflight += f"\nlatent cache: {cache_status(config, data_plan)}"
+    if prompts:
+        preflight += f"\neval: {len(prompts)} prompt(s), sampler {config.eval.sampler_name} ({config.eval.scheduler})"
+    resume = None
+    found = resolve_resume(config)
+    if found:
+        folder, state_path = found
+        state = load_state(state_path)
+        warnings = check_compatible(state, config, soft_settings(config, data_plan, total_steps))
+        position = state["position"]
+        preflight += (f"\nresume: from {folder} at step {position['step']} (epoch {position['epoch']}, "
+                      f"batch {position['batches_in_epoch']} of it)")
+        preflight += "".join(f"\n  warning: {warning}" for warning in warnings)
+        resume = (folder, state)
+    return RunPlan(data_plan, total_steps, prompts, preflight, resume)
+
+
+def count_steps(config: Config, batches_per_epoch: int) -> int:
+    """Optimizer steps of the run: `num_steps`, `num_epochs`, or whichever comes first."""
+    training = config.training
+    limits = []
+    if training.num_steps:
+        limits.append(training.num_steps)
+    if training.num_epochs:
+        limits.append(max(1, training.num_epochs * batches_per_epoch // training.grad_accum_steps))
+    return min(limits)
+
+
+def describe_plan(config: Config, data_plan: DatasetPlan, total_steps: int) -> str:
+    mode = "full fine-tune" if config.adapter.type == "none" else (
+        f"{config.adapter.type.upper()} rank {config.adapter.rank} alpha {config.adapter.alpha:g}"
+    )
+    trained = ["unet"] + [
+        name for name, on in (("text_encoder", config.model.train_text_encoder_1),
+                              ("text_encoder_2", config.model.train_text_encoder_2)) if on
+    ]
+    steps_per_epoch = data_plan.batches_per_epoch / config.training.grad_accum_steps
+    sizes = sorted(set(data_plan.batch_sizes.values()))
+    per_process = "/".join(str(size) for size in sizes)
+    global_batch = "/".join(str(size * data_plan.world_size * config.training.grad_accum_steps) for size in sizes)
+    return "\n".join([
+        f"run {config.run.name}: {mode} of {', '.join(trained)} on {config.model.id}",
+        data_plan.report(),
+        f"steps: {total_steps} optimizer steps ({steps_per_epoch:g} per epoch); global batch {global_batch} = "
+        f"{per_process} per process x {data_plan.world_size} process(es) x {config.training.grad_accum_steps} "
+        "accumulation",
+        f"output: {config.output_dir}",
+    ])
+
+
+def make_latent_cache(config: Config, vae_id: str) -> LatentCache:
+    """The run's latent cache for the VAE whose weights have the fingerprint `vae_id`."""
+    from .latent_cache import LatentCache
+
+    cache = config.data.latent_cache
+    dtype = cache.dtype if cache.dtype != "auto" else {"no": "fp32"}.get(config.precision, config.precision)
+    return LatentCache(cache.cache_dir, vae_id, dtype, cache.latents)
+
+
+def cache_status(config: Config, data_plan: DatasetPlan) -> str:
+    """Hits and misses, known before loading any model when the VAE's weight file is local."""
+    from .data import cache_views
+    from .latent_cache import vae_fingerprint_from_files
+    from .models import vae_weight_files
+
+    found = vae_weight_files(config.model)
+    if found is None:
+        return "hits and misses are counted once the VAE is loaded"
+    cache = make_latent_cache(config, vae_fingerprint_from_files(*found))
+    views = cache_views(data_plan, config.data)
+    # Presence only: every entry is read and checked once, when training builds the cache.
+    misses = sum(not cache.path(key).is_file() for _, key, _ in views)
+    return f"{len(views) - misses} hits, {misses} misses (to encode before training) in {cache.cache_dir}"

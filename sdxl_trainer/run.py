@@ -1,0 +1,572 @@
+"""A training run as plain data, and the functions that move it forward.
+
+`start_run` loads everything and returns a `Run`. The loop in `train_sdxl.py` then calls, per
+micro-batch, `forward_backward`; when the gradients are complete, `optimizer_step` (unscale,
+clip, NaN verdict, step) and `after_step` (EMA, logging, rank check, live eval); at the end,
+`save_outputs`. `finish` writes the run summary whichever way the run ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import secrets
+import shlex
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from .checkpointing import Position, TrainerSnapshot
+from .config import Config
+from .nan_guard import ABORT, OK, SKIP, NaNGuard
+from .planning import RunPlan
+
+if TYPE_CHECKING:
+    import torch
+    from accelerate import Accelerator
+    from diffusers import DDPMScheduler, StableDiffusionXLPipeline
+
+    from .diffusion import LossModels
+    from .ema import EMA
+    from .evaluator import Evaluator
+    from .latent_cache import LatentCache
+    from .precision import PrecisionPlan
+    from .training_setup import Trainable
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+@dataclass
+class Tally:
+    """Bookkeeping between optimizer steps, log lines and epochs."""
+
+    batch_paths: list[str] = field(default_factory=list)  # files since the last optimizer step (NaN report)
+    batch_timesteps: list[int] = field(default_factory=list)
+    logged_losses: list[torch.Tensor] = field(default_factory=list)  # since the last log line
+    epoch_losses: list[torch.Tensor] = field(default_factory=list)
+    rank_checks: int = 0
+    loss_warned: bool = False
+
+
+@dataclass
+class Run:
+    """What a run holds while it trains."""
+
+    config: Config
+    plan: RunPlan
+    accelerator: Accelerator
+    pipe: StableDiffusionXLPipeline  # what is saved and evaluated (gathered first under FSDP)
+    noise_scheduler: DDPMScheduler
+    trainable: Trainable
+    prepared: list[torch.nn.Module]  # the trained modules as accelerate prepared them (DDP/FSDP)
+    models: LossModels  # what the loss runs forward: the prepared (and compiled) modules
+    optimizer: Any
+    lr_scheduler: Any
+    scaler: torch.amp.GradScaler
+    autocast: torch.autocast
+    guard: NaNGuard
+    seed: int
+    loader: Any = None
+    sampler: Any = None
+    position: Position = field(default_factory=Position)
+    ema: EMA | None = None
+    writer: Any = None  # TensorBoard, main process only
+    evaluator: Evaluator | None = None  # main process only
+    progress: Any = None  # the tqdm bar (disabled on other processes than the main one)
+    started: float = field(default_factory=time.time)
+    tally: Tally = field(default_factory=Tally)
+    trained_params: list[torch.nn.Parameter] = field(default_factory=list)  # built once, used every step
+    warmup_steps: int = 0  # of the LR schedule; EMA starts when it ends
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
+
+    @property
+    def total_steps(self) -> int:
+        return self.plan.total_steps
+
+
+class StepResult(NamedTuple):
+    verdict: str  # nan_guard's OK, SKIP, ABORT or SCALER
+    grad_norm: torch.Tensor
+
+
+# ------------------------------------------------------------------------------------ start
+def start_run(config: Config, plan: RunPlan, pipe: StableDiffusionXLPipeline | None = None) -> Run:
+    """Seed, precision plan, models, optimizer and data; continue from `plan.resume` if set.
+
+    `pipe` replaces the model `config.model` names, and a plan without data (`plan.data` None)
+    opens no data loader: the caller feeds its own batches (the full-size GPU benchmark does both).
+    """
+    import torch
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
+    from .checkpointing import set_rng_state
+    from .diffusion import LossModels
+    from .distributed import describe_sharding, is_sharded
+    from .lr_schedule import make_lr_scheduler, schedule_settings
+    from .optimizers import make_optimizer
+    from .precision import plan_precision
+
+    accelerator = make_accelerator(config)
+    state = plan.resume[1] if plan.resume else None
+    # Resuming keeps the interrupted run's seed: the data order and augmentation depend on it.
+    seed = state["seed"] if state else config.training.seed or secrets.randbelow(2**31 - 1) + 1
+    set_seed(seed)
+    accelerator.print(f"seed: {seed}"
+                      + ("" if config.training.seed or state else " (drawn at random; set training.seed to repeat)"))
+    precision = plan_precision(config, accelerator.device.type)
+    accelerator.print(precision.table())
+
+    if pipe is None:
+        pipe = load_base_pipeline(config, plan, accelerator)
+    noise_scheduler, cache, trainable = setup_models(config, plan, precision, accelerator, pipe)
+    optimizer = make_optimizer(config.optimizer, trainable.param_groups(), accelerator.device.type,
+                               bf16_weights=precision.components["unet"].trained == "bf16")
+    lr_scheduler = make_lr_scheduler(optimizer, config.training, plan.total_steps)
+    scaler = torch.amp.GradScaler(accelerator.device.type, enabled=precision.uses_grad_scaler)
+    # Under FSDP this shards the UNet in place and points the optimizer at the slices.
+    *prepared, optimizer, lr_scheduler = accelerator.prepare(*trainable.modules.values(), optimizer, lr_scheduler)
+    # Forward through the prepared modules (DDP wrappers under several processes): that is what
+    # synchronises the gradients. Saving and eval use the pipeline (gathered under FSDP).
+    forward = dict(zip(trainable.modules, prepared, strict=True))
+    unet = forward["unet"]
+    if config.model.use_torch_compile:
+        unet = torch.compile(unet, **config.model.torch_compile_kwargs)
+    text_encoders = [forward.get(name, getattr(pipe, name)) for name in ("text_encoder", "text_encoder_2")]
+    autocast = torch.autocast(accelerator.device.type, dtype=precision.torch_dtype(precision.compute),
+                              enabled=precision.compute != "fp32")
+    training = config.training
+    guard = NaNGuard(training.nan_policy if not training.detect_anomaly else "abort", training.max_nan_skips,
+                     precision.uses_grad_scaler, consecutive=state["nan_skips"] if state else 0)
+    run = Run(config, plan, accelerator, pipe, noise_scheduler, trainable, prepared,
+              LossModels(pipe, unet, text_encoders), optimizer, lr_scheduler, scaler, autocast, guard, seed)
+    run.warmup_steps = schedule_settings(training).warmup_steps
+    if state:
+        restore_training_state(run, state)
+    accelerator.print(trainable.describe())
+    run.trained_params = list(trainable.parameters())
+    if is_sharded(accelerator):
+        accelerator.print(describe_sharding(accelerator, trainable))
+    if plan.data is not None:
+        open_data(run, cache)
+    if accelerator.is_main_process:
+        run.writer = open_writer(run, precision)
+        run.evaluator = make_evaluator(run, cache)
+    run.started = time.time()
+    if state:  # from here on every process draws what it would have drawn next
+        set_rng_state(state["rng"][accelerator.process_index % len(state["rng"])])
+    run.progress = tqdm(total=plan.total_steps, initial=run.position.step, desc="training",
+                        disable=not accelerator.is_main_process)
+    return run
+
+
+def make_accelerator(config: Config) -> Accelerator:
+    """One process, or one of those `accelerate launch` started (gloo on the CPU without GPUs)."""
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    has_accelerator = torch.cuda.is_available() or torch.backends.mps.is_available()
+    # Casting follows the precision plan (training.mixed_precision), never accelerate's setting:
+    # both at once would autocast twice, and FSDP would upcast bf16 weights to fp32.
+    # The main process alone writes checkpoints and renders eval images while the others wait: a
+    # full fine-tune's checkpoint can take longer than the collectives' default timeout.
+    timeout = datetime.timedelta(minutes=config.training.distributed_timeout_minutes)
+    accelerator = Accelerator(gradient_accumulation_steps=config.training.grad_accum_steps, cpu=not has_accelerator,
+                              mixed_precision="no", kwargs_handlers=[InitProcessGroupKwargs(timeout=timeout)])
+    launched_with = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if launched_with not in ("no", config.precision):
+        accelerator.print(f"note: accelerate's mixed_precision={launched_with} is ignored; the precision is "
+                          f"training.mixed_precision ({config.precision})")
+    return accelerator
+
+
+def load_base_pipeline(config: Config, plan: RunPlan, accelerator: Accelerator) -> StableDiffusionXLPipeline:
+    """The model to train: `model.id`, or a full fine-tune's own pipeline when it resumes. The
+    first process of each machine loads first: it writes what is written (a hub download, the
+    built-in model), and the others on that machine then find it done."""
+    from .models import load_pipeline
+
+    with accelerator.local_main_process_first():
+        if plan.resume and config.adapter.type == "none":  # a full fine-tune continues from its pipeline
+            return load_pipeline(config.model.model_copy(update={"id": str(plan.resume[0]), "vae": None}))
+        return load_pipeline(config.model)
+
+
+def setup_models(config: Config, plan: RunPlan, precision: PrecisionPlan, accelerator: Accelerator,
+                 pipe: StableDiffusionXLPipeline) -> tuple[DDPMScheduler, LatentCache | None, Trainable]:
+    """Place SDXL in the planned dtypes, cache latents, attach adapters (or unfreeze), audit.
+    The latent cache is built by the first process of each machine, as the model is loaded:
+    caches are usually local disks, and on a shared one the writes are atomic and identical."""
+    from safetensors.torch import load_file
+
+    from .adapters import DIFFUSERS_WEIGHT_NAME, load_adapter_weights
+    from .attention import set_attention
+    from .data import build_latent_cache
+    from .diffusion import make_noise_scheduler
+    from .latent_cache import vae_fingerprint
+    from .planning import make_latent_cache
+    from .precision import audit, cast_trained_parameters, place_pipeline
+    from .training_setup import prepare_trainable
+
+    device = accelerator.device
+    resume_folder = plan.resume[0] if plan.resume else None
+    place_pipeline(pipe, precision, device)
+    accelerator.print(f"attention: {set_attention(pipe.unet, config.model.attention, device.type)}")
+    noise_scheduler = make_noise_scheduler(
+        pipe.scheduler.config, config.training.prediction_type, config.training.zero_terminal_snr
+    )
+    # The saved pipeline (and the single file's v_pred/ztsnr markers) must say what was trained.
+    pipe.scheduler = pipe.scheduler.__class__.from_config(
+        pipe.scheduler.config, prediction_type=noise_scheduler.config.prediction_type,
+        rescale_betas_zero_snr=config.training.zero_terminal_snr,
+    )
+    cache = None
+    if config.data.latent_cache.enabled and plan.data is not None:
+        cache = make_latent_cache(config, vae_fingerprint(pipe.vae.state_dict().values()))
+        with accelerator.local_main_process_first():
+            hits, built = build_latent_cache(plan.data, config.data, cache, pipe.vae, device)
+        accelerator.print(f"latent cache: {hits} hits, {built} encoded now")
+    trainable = prepare_trainable(pipe, config)
+    if resume_folder and trainable.is_adapter:
+        tensors = load_file(resume_folder / DIFFUSERS_WEIGHT_NAME)
+        for name, module in trainable.modules.items():
+            load_adapter_weights(module, name, tensors)
+    cast_trained_parameters(trainable.modules, precision)
+    audit(pipe, precision, adapter=trainable.is_adapter)
+    return noise_scheduler, cache, trainable
+
+
+def restore_training_state(run: Run, state: dict[str, Any]) -> None:
+    """Optimizer, LR schedule, grad scaler, data position and EMA of the run being resumed."""
+    from .distributed import load_optimizer_state
+    from .ema import EMA
+
+    load_optimizer_state(run.accelerator, run.prepared[0], run.optimizer, state["optimizer"])
+    run.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    run.scaler.load_state_dict(state["scaler"])
+    run.position = Position(**state["position"])
+    if state["ema"] is not None:
+        model = run.config.model
+        run.ema = EMA(list(run.trainable.named_parameters()), model.ema_decay, model.ema_device)
+        run.ema.load_state_dict(state["ema"])
+
+
+def open_data(run: Run, cache: LatentCache | None) -> None:
+    """This process's batches, in an order fixed by the seed and the epoch."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from .data import ImageCaptionDataset, collate
+
+    data_plan, data = run.plan.data, run.config.data
+    run.sampler = data_plan.sampler(run.seed, rank=run.accelerator.process_index)
+    run.loader = DataLoader(
+        ImageCaptionDataset(data_plan.scan.images, data_plan.targets, data, run.seed, cache),
+        batch_sampler=run.sampler, collate_fn=collate, num_workers=data.num_workers,
+        # Its own generator: starting an epoch must not draw from the training RNG (exact resume).
+        generator=torch.Generator().manual_seed(run.seed),
+    )
+
+
+def open_writer(run: Run, precision: PrecisionPlan):
+    from .outputs import open_tensorboard
+
+    return open_tensorboard(run.config, run.plan.preflight + "\n" + precision.table())
+
+
+def make_evaluator(run: Run, cache: LatentCache | None) -> Evaluator | None:
+    """Eval images and the validation loss (main process; None when eval is off)."""
+    from .diffusion import LossModels, diffusion_loss
+    from .evaluator import Evaluator, make_validation, validation_batches
+
+    if not run.plan.prompts:
+        return None
+    validation = None
+    if run.config.eval.live.enabled:
+        batches = validation_batches(run.plan.data, run.config, run.seed, cache)
+        validation = make_validation(batches, run.noise_scheduler.config.num_train_timesteps, run.seed)
+
+    def eval_loss(pipe: StableDiffusionXLPipeline, batch: dict, draws) -> torch.Tensor:
+        return diffusion_loss(LossModels.of(pipe), run.noise_scheduler, batch, draws, run.device)
+
+    return Evaluator(run.config, run.plan.prompts, validation, eval_loss, run.trainable.group_names, run.writer)
+
+
+# ------------------------------------------------------------------------------------- steps
+def epoch_batches(run: Run) -> Iterator[dict]:
+    """The batches of the current epoch not trained yet (all of them, unless resuming mid-epoch)."""
+    run.sampler.set_epoch(run.position.epoch, start=run.position.batches_in_epoch)
+    run.tally.epoch_losses = []
+    yield from run.loader
+
+
+def forward_backward(run: Run, batch: dict) -> torch.Tensor:
+    """One micro-batch: the loss on its per-image draws, and its gradients (which add up over
+    `grad_accum_steps` micro-batches)."""
+    from .diffusion import diffusion_loss, sample_draws
+
+    training, tally = run.config.training, run.tally
+    run.position.batches_in_epoch += 1
+    height, width = batch["target_sizes"][0].tolist()
+    latent_shape = (len(batch["keys"]), run.pipe.unet.config.in_channels, height // 8, width // 8)
+    draws = sample_draws(batch["keys"], run.seed, run.noise_scheduler.config.num_train_timesteps, latent_shape,
+                         training.noise_offset)
+    tally.batch_paths += batch["paths"]
+    tally.batch_timesteps += draws.timesteps.tolist()
+    min_sigma = training.min_sigma if run.position.step >= training.min_sigma_warmup_steps else None
+    with run.accelerator.accumulate(*run.prepared), run.autocast:
+        loss = diffusion_loss(run.models, run.noise_scheduler, batch, draws, run.device, training.snr_gamma, min_sigma)
+        run.accelerator.backward(run.scaler.scale(loss))
+    tally.epoch_losses.append(loss.detach())
+    return loss
+
+
+def optimizer_step(run: Run, loss: torch.Tensor) -> StepResult:
+    """Unscale, clip, check for NaN/Inf, step. A skipped or aborted step changes no weight and
+    does not count; otherwise the LR schedule and the position advance."""
+    import torch
+
+    from .distributed import plain_tensor
+    from .nan_guard import non_finite_report
+
+    training, tally = run.config.training, run.tally
+    run.scaler.unscale_(run.optimizer)
+    if training.max_grad_norm:
+        grad_norm = torch.nn.utils.clip_grad_norm_(run.trained_params, training.max_grad_norm)
+    else:  # the norm alone (logging, NaN check): no multiply-by-one over every gradient
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in run.trained_params if p.grad is not None])
+    grad_norm = plain_tensor(grad_norm)
+    verdict = run.guard.check(loss, grad_norm, run.position.step + 1, tally.batch_paths, run.accelerator)
+    if verdict == ABORT:
+        print(non_finite_report(run.position.step + 1, loss, tally.batch_paths, tally.batch_timesteps,
+                                list(run.trainable.named_parameters()), "the loss or the gradients became NaN/Inf"),
+              file=sys.stderr)
+        return StepResult(verdict, grad_norm)
+    if verdict == SKIP:
+        print(f"warning: non-finite loss or gradients at step {run.position.step + 1}; step skipped "
+              f"({run.guard.consecutive} in a row, at most {training.max_nan_skips})", file=sys.stderr)
+    else:
+        run.scaler.step(run.optimizer)  # the scaler itself skips steps whose fp16 gradients overflowed
+    run.scaler.update()
+    run.optimizer.zero_grad(set_to_none=True)
+    tally.batch_paths, tally.batch_timesteps = [], []
+    if verdict != SKIP:
+        run.lr_scheduler.step()
+        run.position.step += 1
+        tally.logged_losses.append(loss.detach())
+        run.progress.update(1)
+    return StepResult(verdict, grad_norm)
+
+
+def after_step(run: Run, result: StepResult) -> None:
+    """What follows an optimizer step: EMA, logging, the rank check and live eval, as due."""
+    import torch
+
+    from .distributed import gather_pipeline, is_sharded
+    from .ema import EMA
+    from .evaluator import live_eval_due
+    from .outputs import log_step
+
+    config, step, tally = run.config, run.position.step, run.tally
+    training = config.training
+    if config.model.use_ema and step >= run.warmup_steps and step % training.ema_update_every == 0:
+        if run.ema is None:
+            run.ema = EMA(list(run.trainable.named_parameters()), config.model.ema_decay, config.model.ema_device)
+        else:
+            run.ema.update()
+    if result.verdict == OK and (step % training.log_every == 0 or step == run.total_steps):
+        mean_loss = torch.stack(tally.logged_losses).float().mean().item()
+        tally.logged_losses.clear()
+        run.progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{run.lr_scheduler.get_last_lr()[0]:.2e}")
+        if run.writer:
+            log_step(run.writer, step, mean_loss, run.lr_scheduler.get_last_lr(), run.trainable.group_names,
+                     float(result.grad_norm), run.scaler, training.tensorboard)
+    if run.accelerator.num_processes > 1 and not is_sharded(run.accelerator) and step % training.log_every == 0:
+        check_ranks_agree(run, step)
+        tally.rank_checks += 1
+    if run.plan.prompts and live_eval_due(config, step):
+        use_ema = run.ema and run.evaluator and config.eval.use_ema
+        with run.ema.swapped_in() if use_ema else contextlib.nullcontext():
+            full = gather_pipeline(run.accelerator, run.pipe, run.trainable, run.device)
+            if run.evaluator:
+                run.evaluator.live(full, step)
+        del full  # under FSDP a whole copy of the trained weights
+
+
+def check_ranks_agree(run: Run, step: int) -> None:
+    """Under several processes, every rank must hold the same trained weights after a step (DDP's
+    promise): compare a checksum of them across ranks, cheaply, every `log_every` steps."""
+    import torch
+    from accelerate.utils import gather
+
+    from .distributed import check_finite_everywhere
+
+    params = run.trained_params
+    checksum = torch.stack([sum(p.detach().double().sum() for p in params),
+                            sum(p.detach().double().pow(2).sum() for p in params)]).to(run.device)
+    sums = gather(checksum[None]).cpu()
+    if not torch.isfinite(sums).all():  # NaN is never equal to itself: say what really happened
+        check_finite_everywhere(run.accelerator, run.trainable)
+    if not torch.equal(sums, sums[:1].expand_as(sums)):
+        raise RuntimeError(f"processes hold different weights at step {step}: {sums.tolist()}")
+
+
+def end_epoch(run: Run) -> None:
+    """Per-epoch loss min/mean/max, and (once) a warning when the loss stays at the level of
+    predicting nothing (a mean of 1.0 or more: the target has unit variance) after warmup."""
+    import torch
+
+    losses, position = run.tally.epoch_losses, run.position
+    if losses:
+        values = torch.stack(losses).float()
+        low, mean, high = values.min().item(), values.mean().item(), values.max().item()
+        if run.writer:
+            for name, value in (("min", low), ("mean", mean), ("max", high)):
+                run.writer.add_scalar(f"epoch/loss_{name}", value, position.step)
+        if position.step > run.warmup_steps and mean >= 1.0 and not run.tally.loss_warned:
+            run.tally.loss_warned = True
+            print(f"warning: epoch {position.epoch} mean loss {mean:.3f} is still at the level of predicting "
+                  "nothing; check the learning rate, the data and the precision (the original tool's black images "
+                  "came from a wrong VAE scaling and fp16: docs/design.md)", file=sys.stderr)
+    position.epoch += 1
+    position.batches_in_epoch = 0
+
+
+# ------------------------------------------------------------------------------ saving
+def checkpoint_due(run: Run) -> bool:
+    step = run.position.step
+    return step % run.config.training.checkpoint_every == 0 and step < run.total_steps
+
+
+def take_snapshot(run: Run) -> TrainerSnapshot:
+    """The trainer state to save; every process must call this (the RNG states are gathered from
+    all of them, and under FSDP the optimizer state too)."""
+    from accelerate.utils import gather_object
+
+    from .checkpointing import rng_state
+    from .distributed import optimizer_state
+
+    rng_states = gather_object([rng_state()])
+    whole_optimizer = optimizer_state(run.accelerator, run.prepared[0], run.optimizer)
+    return TrainerSnapshot(
+        Position(**vars(run.position)), run.seed, whole_optimizer, run.lr_scheduler.state_dict(),
+        run.scaler.state_dict(), run.ema.state_dict() if run.ema is not None else None,
+        run.guard.consecutive, rng_states,
+    )
+
+
+def save_checkpoint(run: Run) -> Path | None:
+    """Every process hands over its RNG state (and under FSDP its slices of the weights and the
+    optimizer state); the main process writes the checkpoint and returns its folder."""
+    from . import checkpointing
+    from .distributed import check_finite_everywhere, gather_pipeline
+
+    accelerator, config = run.accelerator, run.config
+    check_finite_everywhere(accelerator, run.trainable)
+    snapshot = take_snapshot(run)
+    full = gather_pipeline(accelerator, run.pipe, run.trainable)
+    folder = None
+    if accelerator.is_main_process:
+        soft = checkpointing.soft_settings(config, run.plan.data, run.total_steps)
+
+        def write_state(path: Path) -> None:
+            checkpointing.save_state(path, config, soft, snapshot)
+
+        folder = checkpointing.save_checkpoint(config, full, run.trainable.on(full), run.position.step, write_state)
+    accelerator.wait_for_everyone()
+    return folder
+
+
+def interrupt(run: Run) -> int:
+    """A stop was requested: checkpoint this step, say how to continue, exit 130."""
+    folder = save_checkpoint(run)
+    if run.accelerator.is_main_process:
+        step = run.position.step
+        print(f"\ninterrupted: checkpoint saved at step {step}. "
+              + resume_command(run.plan.command, folder, run.accelerator.num_processes))
+        finish(run, f"interrupted at step {step}", EXIT_INTERRUPTED)
+    return EXIT_INTERRUPTED
+
+
+def resume_command(command: list[str], checkpoint: Path, processes: int) -> str:
+    """How to continue this run from `checkpoint`: the exact command for one process; under
+    `accelerate launch` (whose options this process cannot see) the script part of it."""
+    script = sys.argv[0] if sys.argv[0].endswith(".py") else "train_sdxl.py"
+    arguments = [*command, "--set", f"training.resume_from={checkpoint}"]
+    if processes > 1:
+        return (f"Resume with the same `accelerate launch` options ({processes} processes) and:\n  "
+                + shlex.join([script, *arguments]))
+    return "Resume with:\n  " + shlex.join([sys.executable, script, *arguments])
+
+
+def save_outputs(run: Run) -> int:
+    """After the last step: the final weights (EMA's when on), the exports, the trainer state, and
+    the final eval images; the exit code says whether all of it worked."""
+    from . import checkpointing
+    from .distributed import check_finite_everywhere, gather_pipeline
+    from .export import ExportError, export_after_training
+    from .finite import NonFiniteWeightsError
+    from .outputs import save_final
+
+    accelerator, config = run.accelerator, run.config
+    accelerator.wait_for_everyone()
+    if run.tally.rank_checks:
+        accelerator.print(f"{accelerator.num_processes} processes held identical weights at all "
+                          f"{run.tally.rank_checks} checks")
+    if run.ema is not None:
+        run.ema.copy_to()  # the final weights are the averaged ones
+        accelerator.print("final weights: EMA of the trained weights")
+    try:
+        check_finite_everywhere(accelerator, run.trainable)
+        snapshot = take_snapshot(run)
+        pipe = gather_pipeline(accelerator, run.pipe, run.trainable)
+        if not accelerator.is_main_process:
+            return EXIT_OK
+        trainable = run.trainable.on(pipe)
+        save_final(config, pipe, trainable)
+        export_after_training(config, pipe, trainable)
+    except ExportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return finish(run, "failed: export", EXIT_FAILED)
+    except NonFiniteWeightsError as exc:
+        accelerator.print(f"error: {exc}; nothing was saved", file=sys.stderr)
+        return finish(run, "aborted: non-finite weights", EXIT_FAILED)
+    soft = checkpointing.soft_settings(config, run.plan.data, run.total_steps)
+    checkpointing.save_state(config.state_path, config, soft, snapshot)
+    invalid = run.evaluator.final(pipe.to(run.device), run.position.step) if run.evaluator else 0
+    if invalid:
+        print(f"error: {invalid} final eval image(s) are invalid (see above)", file=sys.stderr)
+        return finish(run, f"failed: {invalid} invalid final eval image(s)", EXIT_FAILED)
+    return finish(run, "completed", EXIT_OK)
+
+
+def finish(run: Run, status: str, code: int) -> int:
+    """Write run_summary.json, close TensorBoard and say where things are (main process only)."""
+    from .checkpointing import list_checkpoints
+    from .outputs import write_summary
+
+    if not run.accelerator.is_main_process:
+        return code
+    config, evaluator, scan = run.config, run.evaluator, run.plan.data.scan
+    write_summary(config, {
+        "status": status, "steps": run.position.step, "epoch": run.position.epoch,
+        "checkpoints": [str(path) for path in list_checkpoints(config.output_dir / "checkpoints")],
+        "seconds": round(time.time() - run.started, 1), "seed": run.seed,
+        "images": len(scan.images),
+        "skipped_files": [{"path": str(p), "reason": r} for p, r in scan.skipped],
+        "nan_events": run.guard.events,
+        "eval": evaluator.results if evaluator else [],
+        "invalid_eval_images": evaluator.invalid_images if evaluator else [],
+    })
+    if run.writer:
+        run.writer.close()
+    print(f"{status}: {run.position.step} steps in {time.time() - run.started:.0f} s; outputs in {config.output_dir}")
+    return code

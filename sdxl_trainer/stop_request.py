@@ -1,0 +1,50 @@
+"""Ctrl-C and SIGTERM during training: finish the step, save a checkpoint, exit."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
+
+
+class StopRequest:
+    """Ctrl-C / SIGTERM: the first finishes the current optimizer step, saves a checkpoint and exits;
+    a second one exits at once (every write is atomic, so nothing is left half-written).
+
+    A repeat within `REPEAT_WINDOW_S` is the same request, not a second press: `accelerate launch`
+    passes on the signal it got, and a cluster scheduler may signal the launcher and every
+    process at once, so one stop can arrive twice within milliseconds."""
+
+    REPEAT_WINDOW_S = 2.0
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.requested_at = 0.0
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            if time.monotonic() - self.requested_at < self.REPEAT_WINDOW_S:
+                return
+            self.restore()
+            raise KeyboardInterrupt
+        self.requested, self.requested_at = True, time.monotonic()
+        print(f"\n{signal.Signals(signum).name}: finishing this step and saving a checkpoint "
+              "(press Ctrl-C again to exit at once)", file=sys.stderr)
+
+    def agreed(self, accelerator: Accelerator) -> bool:
+        """Whether any process was asked to stop (they must all checkpoint at the same step)."""
+        if accelerator.num_processes == 1:
+            return self.requested
+        import torch
+
+        flag = torch.tensor([float(self.requested)], device=accelerator.device)
+        return bool(accelerator.reduce(flag, reduction="sum").item())
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
