@@ -1,21 +1,39 @@
-# The README's commands. PYTHON can point at a venv's interpreter: make test PYTHON=.venv/bin/python
-PYTHON ?= python
+# The README's commands. `make quickstart` and `make test` set themselves up: tools/setup_venv.py
+# creates the project venv (.venv) with python3, installs what is missing (torch, CPU or CUDA
+# build, then requirements.txt; for test and lint also requirements-dev.txt, and
+# requirements-demo.txt if there is one) and does nothing when .venv is up to date (a stamp of
+# the requirement files' hashes). Every target then runs .venv/bin/python.
+# To use an environment you manage yourself, name its interpreter; then nothing is set up:
+#     make test PYTHON=python
+PYTHON3 ?= python3
+ifeq ($(origin PYTHON),command line)
+SETUP := @true
+else
+PYTHON := .venv/bin/python
+SETUP := $(PYTHON3) tools/setup_venv.py
+endif
 
-.PHONY: test lint docs quickstart bench
+.PHONY: test lint docs quickstart bench setup setup-dev
 
 test: lint
 	$(PYTHON) -m pytest -q
 
-lint:
+lint: setup-dev
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m sdxl_trainer.schema_docs --check
 	$(PYTHON) tools/check_structure.py
 
-docs:
+docs: setup
 	$(PYTHON) -m sdxl_trainer.schema_docs
 
-quickstart:
+quickstart: setup
 	$(PYTHON) train_sdxl.py --config configs/quickstart.json
 
-bench:
+bench: setup
 	$(PYTHON) bench/run_all.py
+
+setup:
+	$(SETUP)
+
+setup-dev:
+	$(SETUP) --dev
