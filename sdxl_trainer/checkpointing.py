@@ -182,7 +182,10 @@ def resolve_resume(config: Config) -> tuple[Path, Path] | None:
     """(folder with the weights, trainer state file) to resume from, or None for a fresh run.
 
     `resume_from` is an output folder, a checkpoint folder, or "latest" (the newest complete
-    checkpoint of this run); `resume_state_path` defaults to `<resume_from>/trainer_state.pt`.
+    checkpoint of this run, or a fresh run while there is none: one command serves every start of
+    a preemptible job); `resume_state_path` defaults to `<resume_from>/trainer_state.pt`.
+    The answer depends only on the files, never on the process's rank, so every process of a
+    launch reads the same folder and makes the same decision.
     """
     resume_from = config.training.resume_from
     if resume_from is None:
@@ -190,7 +193,7 @@ def resolve_resume(config: Config) -> tuple[Path, Path] | None:
     if resume_from == "latest":
         checkpoints = list_checkpoints(config.output_dir / "checkpoints")
         if not checkpoints:
-            raise ConfigError(f'training.resume_from = "latest": no checkpoint in {config.output_dir / "checkpoints"}')
+            return None  # nothing saved yet (a first start, or killed before the first checkpoint)
         folder = checkpoints[-1]
     else:
         folder = Path(resume_from)

@@ -77,6 +77,8 @@ def plan_run(config: Config) -> RunPlan:
                       f"batch {position['batches_in_epoch']} of it)")
         preflight += "".join(f"\n  warning: {warning}" for warning in warnings)
         resume = (folder, state)
+    elif config.training.resume_from == "latest":
+        preflight += f"\nresume: latest: no checkpoint in {config.output_dir / 'checkpoints'} yet; starting a new run"
     return RunPlan(data_plan, total_steps, prompts, preflight, resume)
 
 

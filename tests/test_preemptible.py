@@ -1,0 +1,116 @@
+"""Preemptible jobs: one command (`training.resume_from=latest`) for every start of a job. With no
+checkpoint yet it starts a new run and says so; after a checkpoint it resumes; an explicit folder
+that does not exist is still refused.
+
+Under `accelerate launch` every process runs `plan_run` on the same files before training and the
+decision reads nothing but those files (not the rank), so all processes agree: no multi-process test."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from tests.helpers import ROOT, run_cli, tiny_config, write_config
+from tests.test_resume import final_weights
+
+STEPS, EVERY = 16, 8
+FRESH = "yet; starting a new run"
+
+
+def job_config(tmp_path: Path) -> dict:
+    return tiny_config(tmp_path, training={"num_steps": STEPS, "checkpoint_every": EVERY, "log_every": 1})
+
+
+class Job:
+    """`train_sdxl.py --config <path> --set training.resume_from=latest`, the job script's one command."""
+
+    def __init__(self, path: Path) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+        self.process = subprocess.Popen(
+            [sys.executable, str(ROOT / "train_sdxl.py"), "--config", str(path),
+             "--set", "training.resume_from=latest"],
+            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.stdout: list[str] = []
+        self.stderr: list[str] = []  # tqdm rewrites its line with \r: read characters, not lines
+        self.readers = [threading.Thread(target=self._drain, args=(stream, sink), daemon=True)
+                        for stream, sink in ((self.process.stdout, self.stdout), (self.process.stderr, self.stderr))]
+        for reader in self.readers:
+            reader.start()
+
+    @staticmethod
+    def _drain(stream, sink: list[str]) -> None:
+        while chunk := stream.read(1):
+            sink.append(chunk)
+
+    def wait_for(self, done, what: str, timeout: float = 240) -> None:
+        deadline = time.time() + timeout
+        while not done():
+            assert self.process.poll() is None, f"exited before {what}: {''.join(self.stderr)[-3000:]}"
+            assert time.time() < deadline, f"no {what} in {timeout} s"
+            time.sleep(0.02)
+
+    def steps_done(self) -> int:
+        counts = re.findall(rf"\| *(\d+)/{STEPS} ", "".join(self.stderr))
+        return int(counts[-1]) if counts else 0
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.finish()
+
+    def finish(self) -> int:
+        code = self.process.wait(timeout=600)
+        for reader in self.readers:
+            reader.join()
+        return code
+
+
+def test_one_command_starts_fresh_restarts_fresh_then_resumes(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
+    straight = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "straight.json",
+                                                                       job_config(tmp_path / "straight"))))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    path = write_config(tmp_path / "job.json", job_config(tmp_path / "job"))
+    checkpoints = tmp_path / "job" / "out" / "test_run" / "checkpoints"
+    for start in range(2):  # the first start, then a restart after a kill -9 before the first checkpoint
+        job = Job(path)
+        if start == 0:
+            job.wait_for(lambda job=job: job.steps_done() >= 1, "first training step")  # mid-run, well before step 8
+            job.kill()
+            assert not list(checkpoints.glob("checkpoint-*")), "the kill came after the first checkpoint"
+        else:
+            job.wait_for(lambda: (checkpoints / f"checkpoint-{EVERY}").is_dir(), "first checkpoint")
+            job.kill()
+        output = "".join(job.stdout)
+        assert f"resume: latest: no checkpoint in {checkpoints} {FRESH}" in output, output
+        assert "resume: from" not in output
+
+    job = Job(path)  # the restart after a checkpoint
+    assert job.finish() == 0, "".join(job.stderr)[-3000:]
+    output = "".join(job.stdout)
+    assert f"at step {EVERY} " in output and FRESH not in output, output
+
+    first = final_weights(tmp_path / "straight" / "out" / "test_run")
+    second = final_weights(tmp_path / "job" / "out" / "test_run")
+    assert first.keys() == second.keys() and len(first) > 10
+    assert [key for key in first if not torch.equal(first[key], second[key])] == []
+
+
+def test_latest_with_no_checkpoint_is_a_fresh_plan_and_a_missing_folder_stays_an_error(tmp_path: Path,
+                                                                                     tiny_sdxl_dir: Path) -> None:
+    path = write_config(tmp_path / "c.json", tiny_config(tmp_path))
+    dry = run_cli("train_sdxl.py", "--config", str(path), "--set", "training.resume_from=latest", "--dry-run")
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert f"resume: latest: no checkpoint in {tmp_path / 'out' / 'test_run' / 'checkpoints'} {FRESH}" in dry.stdout
+
+    missing = tmp_path / "out" / "test_run" / "checkpoints" / "checkpoint-5"
+    refused = run_cli("train_sdxl.py", "--config", str(path), "--set", f"training.resume_from={missing}", "--dry-run")
+    assert refused.returncode == 2
+    assert f"training.resume_from = {str(missing)!r}: no such folder" in refused.stderr
