@@ -80,8 +80,9 @@ def export_after_training(config: Config, pipe: StableDiffusionXLPipeline, train
             written.append(convert(config, config.output_dir))
         elif config.export.merge_adapter:
             with tempfile.TemporaryDirectory(prefix=".merged-", dir=config.output_dir) as tmp:
-                save_merged_pipeline(pipe, trainable, Path(tmp))
-                written.append(convert(config, Path(tmp)))
+                folder = Path(tmp) / config.run.name  # converters title the file after the folder
+                save_merged_pipeline(pipe, trainable, folder)
+                written.append(convert(config, folder))
         else:
             print("export: no single file, because export.merge_adapter is false and the base model is "
                   "unchanged; load the adapter file on top of the base instead")

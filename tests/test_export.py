@@ -331,6 +331,8 @@ def test_dora_run_on_a_single_file_base_exports_adapters_and_the_merged_single_f
     assert checkpoint.is_file(), "no single file exported"
     single = _from_single_file(checkpoint, config_dir)
     assert _differences(single, expected) == dict.fromkeys(COMPONENTS, 0.0)
+    with safe_open(checkpoint, "pt") as reader:  # titled after the run, not the temporary folder
+        assert reader.metadata()["modelspec.title"] == "test_run"
 
 
 def test_full_run_exports_its_pipeline_as_a_half_precision_single_file(
