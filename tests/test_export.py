@@ -386,7 +386,9 @@ def test_external_converter_gets_the_merged_pipeline_and_the_diffusers_command_l
     assert record["argv"] == ["--model_path", str(model_path), "--checkpoint_path", str(checkpoint),
                               "--half", "--use_safetensors", "--flag", "value"]
     assert {"model_index.json", "unet", "vae", "text_encoder", "text_encoder_2"} <= set(record["model_path_holds"])
-    assert model_path.parent == config.output_dir and not model_path.exists(), "the merged folder is temporary"
+    # A folder named after the run (converters title the file after it) inside a temporary one.
+    assert model_path.name == "test_run" and model_path.parent.parent == config.output_dir
+    assert not model_path.parent.exists(), "the merged folder is temporary"
 
 
 def test_failing_external_converter_is_an_error_naming_it(tmp_path: Path) -> None:
