@@ -81,10 +81,14 @@ def lora_config(adapter: AdapterConfig, module: torch.nn.Module, names: list[str
 
 
 def attach_adapter(module: torch.nn.Module, adapter: AdapterConfig, names: list[str]) -> None:
-    """Add a peft adapter to `module` (a diffusers UNet or a transformers CLIP encoder)."""
+    """Add a peft adapter to `module` (a diffusers UNet or a transformers CLIP encoder); DoRA layers
+    get the faster forward of the same function (fast_dora.py)."""
+    from .fast_dora import use_fast_dora
+
     if not names:
         raise ValueError("adapter.targets selects no module")
     module.add_adapter(lora_config(adapter, module, names))
+    use_fast_dora(module)
 
 
 def adapter_state_dict(module: torch.nn.Module, component: str) -> dict[str, torch.Tensor]:
