@@ -24,6 +24,7 @@ class RunPlan:
     total_steps: int
     prompts: list[EvalPrompt]  # eval prompts (empty when eval is off)
     preflight: str  # the report printed at the start and logged to TensorBoard
+    soft: dict[str, Any] = field(default_factory=dict)  # settings a resume may change (saved in every state)
     resume: tuple[Path, dict[str, Any]] | None = None  # (folder with the weights, trainer state) to continue from
     command: list[str] = field(default_factory=list)  # the arguments of this run, for the resume hint
 
@@ -66,12 +67,13 @@ def plan_run(config: Config) -> RunPlan:
         preflight += f"\nlatent cache: {cache_status(config, data_plan)}"
     if prompts:
         preflight += f"\neval: {len(prompts)} prompt(s), sampler {config.eval.sampler_name} ({config.eval.scheduler})"
+    soft = soft_settings(config, data_plan, total_steps)
     resume = None
     found = resolve_resume(config)
     if found:
         folder, state_path = found
         state = load_state(state_path)
-        warnings = check_compatible(state, config, soft_settings(config, data_plan, total_steps))
+        warnings = check_compatible(state, config, soft)
         position = state["position"]
         preflight += (f"\nresume: from {folder} at step {position['step']} (epoch {position['epoch']}, "
                       f"batch {position['batches_in_epoch']} of it)")
@@ -79,7 +81,7 @@ def plan_run(config: Config) -> RunPlan:
         resume = (folder, state)
     elif config.training.resume_from == "latest":
         preflight += f"\nresume: latest: no checkpoint in {config.output_dir / 'checkpoints'} yet; starting a new run"
-    return RunPlan(data_plan, total_steps, prompts, preflight, resume)
+    return RunPlan(data_plan, total_steps, prompts, preflight, soft, resume)
 
 
 def count_steps(config: Config, batches_per_epoch: int) -> int:

@@ -475,10 +475,8 @@ def save_checkpoint(run: Run) -> Path | None:
     full = gather_pipeline(accelerator, run.pipe, run.trainable)
     folder = None
     if accelerator.is_main_process:
-        soft = checkpointing.soft_settings(config, run.plan.data, run.total_steps)
-
         def write_state(path: Path) -> None:
-            checkpointing.save_state(path, config, soft, snapshot)
+            checkpointing.save_state(path, config, run.plan.soft, snapshot)
 
         folder = checkpointing.save_checkpoint(config, full, run.trainable.on(full), run.position.step, write_state)
     accelerator.wait_for_everyone()
@@ -539,8 +537,7 @@ def save_outputs(run: Run) -> int:
     except NonFiniteWeightsError as exc:
         accelerator.print(f"error: {exc}; nothing was saved", file=sys.stderr)
         return finish(run, "aborted: non-finite weights", EXIT_FAILED)
-    soft = checkpointing.soft_settings(config, run.plan.data, run.total_steps)
-    checkpointing.save_state(config.state_path, config, soft, snapshot)
+    checkpointing.save_state(config.state_path, config, run.plan.soft, snapshot)
     invalid = run.evaluator.final(pipe.to(run.device), run.position.step) if run.evaluator else 0
     if invalid:
         print(f"error: {invalid} final eval image(s) are invalid (see above)", file=sys.stderr)
