@@ -17,6 +17,7 @@ import sys
 
 from sdxl_trainer.config import Config, ConfigError, load_config
 from sdxl_trainer.planning import RunPlan, check_inputs, plan_run
+from sdxl_trainer.stop_request import EXIT_INTERRUPTED
 
 EXIT_OK, EXIT_USAGE = 0, 2
 
@@ -45,18 +46,20 @@ def main(argv: list[str] | None = None) -> int:
         check_inputs(config)
         plan = plan_run(config)
         plan.command = ["--config", args.config, *[part for item in args.set for part in ("--set", item)]]
-    except ConfigError as exc:
+        if os.environ.get("RANK", "0") == "0":  # one report, however many processes `accelerate launch` starts
+            print(plan.preflight)
+        return EXIT_OK if args.dry_run else train(config, plan)
+    except ConfigError as exc:  # also what loading the model finds wrong with it
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    if os.environ.get("RANK", "0") == "0":  # one report, however many processes `accelerate launch` starts
-        print(plan.preflight)
-    if args.dry_run:
-        return EXIT_OK
-    return train(config, plan)
+    except KeyboardInterrupt:  # before the first step: nothing to save yet
+        print("\ninterrupted before training started; nothing was trained", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 def train(config: Config, plan: RunPlan) -> int:
     """The training loop: micro-batches until the planned number of optimizer steps is done."""
+    from sdxl_trainer.atomic import OutputWriteError
     from sdxl_trainer.finite import NonFiniteWeightsError
     from sdxl_trainer.nan_guard import ABORT, SKIP
     from sdxl_trainer.run import (
@@ -73,10 +76,8 @@ def train(config: Config, plan: RunPlan) -> int:
         save_outputs,
         start_run,
     )
-    from sdxl_trainer.stop_request import StopRequest
 
     run = start_run(config, plan)
-    stop = StopRequest()
     try:
         while run.position.step < run.total_steps:
             for batch in epoch_batches(run):
@@ -86,24 +87,28 @@ def train(config: Config, plan: RunPlan) -> int:
                 result = optimizer_step(run, loss)
                 if result.verdict == ABORT:
                     return finish(run, "aborted: non-finite loss or gradients", EXIT_FAILED)
-                if result.verdict == SKIP:
-                    continue
-                after_step(run, result)
-                if stop.agreed(run.accelerator):
+                if result.verdict != SKIP:
+                    after_step(run, result)
+                if run.stop.agreed(run.accelerator):
                     return interrupt(run)
-                if checkpoint_due(run):
+                if result.verdict != SKIP and checkpoint_due(run):
                     save_checkpoint(run)
                 if run.position.step >= run.total_steps:
                     break
             else:
                 end_epoch(run)
+                if not run.tally.batch_paths and run.stop.agreed(run.accelerator):  # no half-accumulated step
+                    return interrupt(run)
+        return save_outputs(run)
     except NonFiniteWeightsError as exc:
         run.accelerator.print(f"error: {exc}; training stopped; they were not saved", file=sys.stderr)
         return finish(run, "aborted: non-finite weights", EXIT_FAILED)
+    except OutputWriteError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return finish(run, "failed: could not write the outputs", EXIT_FAILED)
     finally:
         run.progress.close()
-        stop.restore()
-    return save_outputs(run)
+        run.stop.restore()
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .atomic import FILE_MODE
+from .atomic import FILE_MODE, reported_write_failures
 from .config import AdapterConfig
 
 if TYPE_CHECKING:
@@ -149,7 +149,8 @@ def save_diffusers_adapter(output_dir: str | os.PathLike[str], components: dict[
     metadata = {f"{name}_lora_adapter_metadata": adapter_metadata(module) for name, module in components.items()}
     destination = Path(output_dir) / DIFFUSERS_WEIGHT_NAME
     destination.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".lora-", dir=destination.parent) as tmp:
+    with (reported_write_failures(destination),
+          tempfile.TemporaryDirectory(prefix=".lora-", dir=destination.parent) as tmp):
         StableDiffusionXLPipeline.save_lora_weights(
             tmp, weight_name=DIFFUSERS_WEIGHT_NAME, safe_serialization=True, **layers, **metadata
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 import re
 import shutil
@@ -136,6 +137,7 @@ class TrainerSnapshot:
     ema: dict[str, Any] | None
     nan_skips: int  # consecutive skipped steps (NaN policy "skip")
     rng: list[dict[str, Any]]  # one `rng_state()` per process
+    seconds: float = 0.0  # training time so far, over every session of the run
 
 
 def save_state(path: Path, config: Config, soft: dict[str, Any], snapshot: TrainerSnapshot) -> None:
@@ -156,6 +158,7 @@ def save_state(path: Path, config: Config, soft: dict[str, Any], snapshot: Train
         "ema": snapshot.ema,
         "nan_skips": snapshot.nan_skips,
         "rng": snapshot.rng,
+        "seconds": snapshot.seconds,
     }
     with atomic_path(path) as tmp:
         torch.save(state, tmp)
@@ -164,6 +167,8 @@ def save_state(path: Path, config: Config, soft: dict[str, Any], snapshot: Train
 def load_state(path: Path) -> dict[str, Any]:
     import torch
 
+    if path.is_file() and path.stat().st_size == 0:
+        raise ConfigError(f"{path}: empty file (0 bytes; its write was interrupted): resume from an earlier checkpoint")
     try:
         # Memory-mapped: every process of a multi-GPU run reads the same file, and a full fine-tune's
         # optimizer state is twice the model; mapped, they share one copy in the page cache.
@@ -205,6 +210,25 @@ def resolve_resume(config: Config) -> tuple[Path, Path] | None:
     return folder, state
 
 
+def check_resume_weights(folder: Path, config: Config) -> None:
+    """The weights a resume loads are there and complete: a truncated file is found at pre-flight,
+    not after the latent cache is built."""
+    from .adapters import DIFFUSERS_WEIGHT_NAME
+    from .models import require_pipeline_folder
+    from .safetensors_header import read_header
+
+    if config.adapter.type == "none":
+        require_pipeline_folder(folder, "training.resume_from")
+        return
+    weights = folder / DIFFUSERS_WEIGHT_NAME
+    if not weights.is_file():
+        raise ConfigError(f"training.resume_from = {str(folder)!r}: no {DIFFUSERS_WEIGHT_NAME} in it")
+    try:
+        read_header(weights)
+    except ValueError as exc:
+        raise ConfigError(f"training.resume_from: {weights}: {exc}; resume from an earlier checkpoint") from None
+
+
 # ------------------------------------------------------------------------ checkpoint folders
 def save_checkpoint(config: Config, pipe: StableDiffusionXLPipeline, trainable: Trainable, step: int,
                     write_state: Callable[[Path], None]) -> Path:
@@ -212,17 +236,30 @@ def save_checkpoint(config: Config, pipe: StableDiffusionXLPipeline, trainable: 
     refresh the run's own state file, then delete the oldest checkpoints beyond the limit."""
     root = config.output_dir / "checkpoints"
     destination = root / f"checkpoint-{step}"
-    for leftover in root.glob(".checkpoint-*"):  # from a run killed while writing
-        shutil.rmtree(leftover, ignore_errors=True)
     with atomic_dir(destination) as tmp:
         outputs.save_weights(tmp, pipe, trainable)
         write_state(tmp / STATE_FILE)
     write_state(config.state_path)
-    limit = config.training.checkpoints_total_limit
-    if limit:
-        for old in list_checkpoints(root)[:-limit]:
-            shutil.rmtree(old)
+    prune_checkpoints(root, config.training.checkpoints_total_limit)
     return destination
+
+
+def prune_checkpoints(root: Path, limit: int | None, keep: Path | None = None) -> list[Path]:
+    """Delete the oldest checkpoints beyond `limit`, never `keep` (the one a resume reads).
+    Each is renamed to a hidden name first: a kill during the deletion leaves a leftover that the
+    next start removes (output_folder.remove_leftovers), never a half-deleted folder that looks
+    complete."""
+    if not limit:
+        return []
+    checkpoints = list_checkpoints(root)
+    excess = len(checkpoints) - limit
+    candidates = [path for path in checkpoints if keep is None or path.resolve() != keep.resolve()]
+    pruned = candidates[:max(0, excess)]
+    for old in pruned:
+        doomed = old.with_name(f".{old.name}.deleting")
+        os.replace(old, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+    return pruned
 
 
 def list_checkpoints(root: Path) -> list[Path]:

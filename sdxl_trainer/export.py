@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from . import converter
 from .adapters import save_diffusers_adapter
+from .atomic import reported_write_failures
 from .config import Config, ConfigError
 from .finite import check_finite
 from .kohya_format import lora_layers, save_kohya_adapter
@@ -106,7 +107,8 @@ def save_adapter_files(config: Config, trainable: Trainable) -> list[Path]:
 def save_merged_pipeline(pipe: StableDiffusionXLPipeline, trainable: Trainable, folder: Path) -> None:
     """Save `pipe` as a diffusers folder whose trained components have their adapters merged."""
     merged = {name: merged_copy(module) for name, module in trainable.modules.items()}
-    with_components(pipe, **merged).save_pretrained(folder, safe_serialization=True)
+    with reported_write_failures(folder):
+        with_components(pipe, **merged).save_pretrained(folder, safe_serialization=True)
 
 
 def merged_copy(module: torch.nn.Module) -> torch.nn.Module:

@@ -3,6 +3,7 @@ built-in tiny model (which is written as a diffusers folder first and then loade
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -52,6 +53,25 @@ def resolve_source(model_id: str, key: str = "model.id") -> ModelSource:
     return ModelSource("hub", model_id)
 
 
+def check_model(model: ModelConfig) -> None:
+    """Everything about `model.id` (and `model.config_dir`) that can be known without loading a
+    weight, so that a wrong model is one line at pre-flight rather than a traceback after the
+    latent cache is built."""
+    source = resolve_source(model.id)
+    if source.kind == "folder":
+        require_pipeline_folder(Path(source.location), "model.id")
+    elif source.kind == "single_file":
+        _require_sdxl_single_file(Path(source.location))
+        if model.config_dir:
+            require_pipeline_folder(Path(model.config_dir), "model.config_dir")
+    elif source.kind == "hub" and os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(source.location, "model_index.json"), str):
+            raise ConfigError(f"model.id = {model.id!r}: not in the local Hugging Face cache, and HF_HUB_OFFLINE "
+                              "is set; download it first (hf download " + model.id + ") or unset HF_HUB_OFFLINE")
+
+
 def load_pipeline(model: ModelConfig, torch_dtype=None) -> StableDiffusionXLPipeline:
     """Load the SDXL pipeline (UNet, VAE, both text encoders, tokenizers, scheduler)."""
     from diffusers import StableDiffusionXLPipeline
@@ -60,12 +80,15 @@ def load_pipeline(model: ModelConfig, torch_dtype=None) -> StableDiffusionXLPipe
     if source.kind == "builtin":
         pipe = StableDiffusionXLPipeline.from_pretrained(tiny_sdxl_path(), torch_dtype=torch_dtype)
     elif source.kind == "folder":
-        _require_pipeline_folder(Path(source.location), "model.id")
+        require_pipeline_folder(Path(source.location), "model.id")
         pipe = StableDiffusionXLPipeline.from_pretrained(source.location, torch_dtype=torch_dtype)
     elif source.kind == "single_file":
         pipe = _load_single_file(source.location, model.config_dir, torch_dtype)
     else:
-        pipe = StableDiffusionXLPipeline.from_pretrained(source.location, torch_dtype=torch_dtype)
+        try:
+            pipe = StableDiffusionXLPipeline.from_pretrained(source.location, torch_dtype=torch_dtype)
+        except OSError as exc:  # not on the hub, no network, no access: diffusers says which
+            raise ConfigError(f"model.id = {model.id!r}: cannot load it from the hub: {exc}") from None
     if model.vae:
         pipe.vae = load_vae(model.vae, model.config_dir, torch_dtype)
     return pipe
@@ -96,7 +119,7 @@ def _load_single_file(path: str, config_dir: str | None, torch_dtype) -> StableD
     if config_dir is None:
         # diffusers fetches the configs that a single file lacks from the hub.
         return StableDiffusionXLPipeline.from_single_file(path, torch_dtype=torch_dtype)
-    _require_pipeline_folder(Path(config_dir), "model.config_dir")
+    require_pipeline_folder(Path(config_dir), "model.config_dir")
     pipe = StableDiffusionXLPipeline.from_single_file(
         path, config=config_dir, local_files_only=True, torch_dtype=torch_dtype
     )
@@ -104,13 +127,30 @@ def _load_single_file(path: str, config_dir: str | None, torch_dtype) -> StableD
     return pipe
 
 
-def _require_pipeline_folder(folder: Path, key: str) -> None:
+def require_pipeline_folder(folder: Path, key: str) -> None:
     if not (folder / "model_index.json").is_file():
         raise ConfigError(f"{key} = {str(folder)!r}: not a diffusers pipeline folder (no model_index.json)")
     missing = [name for name in ("unet", "vae", "text_encoder", "text_encoder_2", "scheduler")
                if not (folder / name).is_dir()]
     if missing:
         raise ConfigError(f"{key} = {str(folder)!r}: missing component folder(s) {', '.join(missing)}")
+
+
+def _require_sdxl_single_file(path: Path) -> None:
+    """An SDXL checkpoint in the original (SGM) layout holds the UNet and both text encoders,
+    the second (OpenCLIP bigG) under `conditioner.embedders.1.`."""
+    from .safetensors_header import read_header
+    from .sgm_keys import TE2_PREFIX
+
+    try:
+        names = read_header(path).keys()
+    except ValueError as exc:
+        raise ConfigError(f"model.id = {str(path)!r}: {exc}") from None
+    has_unet = any(name.startswith("model.diffusion_model.") for name in names)
+    if not (has_unet and any(name.startswith(TE2_PREFIX) for name in names)):
+        found = "an SD 1.x/2.x checkpoint" if has_unet else "no Stable Diffusion UNet"
+        raise ConfigError(f"model.id = {str(path)!r}: not an SDXL checkpoint ({found}: no UNet under "
+                          f"model.diffusion_model. with the bigG text encoder under {TE2_PREFIX})")
 
 
 def _require_no_meta_tensors(pipe: StableDiffusionXLPipeline, path: str) -> None:

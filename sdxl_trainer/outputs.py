@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .adapters import save_diffusers_adapter
-from .atomic import write_json
+from .atomic import reported_write_failures, write_json
 from .config import Config, TensorBoardConfig
 from .finite import check_finite
 
@@ -32,7 +32,7 @@ def save_pipeline(folder: Path, pipe: StableDiffusionXLPipeline) -> None:
     """`save_pretrained` into a temporary folder, then move each part into place; the folder
     may already hold other outputs (checkpoints, eval images) that stay untouched."""
     folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".pipeline-", dir=folder) as tmp:
+    with reported_write_failures(folder), tempfile.TemporaryDirectory(prefix=".pipeline-", dir=folder) as tmp:
         pipe.save_pretrained(tmp, safe_serialization=True)
         entries = sorted(Path(tmp).iterdir(), key=lambda p: p.name == "model_index.json")
         for entry in entries:  # model_index.json last: the folder loads only once all parts are in

@@ -34,7 +34,7 @@ def check_inputs(config: Config) -> None:
     from .attention import check_attention
     from .distributed import check_launch
     from .export import check_export
-    from .models import resolve_source
+    from .models import check_model, resolve_source
 
     unbuilt = unbuilt_options(config)
     if unbuilt:
@@ -42,7 +42,7 @@ def check_inputs(config: Config) -> None:
         raise ConfigError(f"not implemented yet: {details}")
     check_attention(config.model.attention)
     check_launch(config, os.environ)
-    resolve_source(config.model.id)
+    check_model(config.model)
     check_export(config)
     if config.model.vae:
         resolve_source(config.model.vae, key="model.vae")
@@ -52,7 +52,7 @@ def check_inputs(config: Config) -> None:
 
 def plan_run(config: Config) -> RunPlan:
     """The data plan, the step count, the eval prompts and the resume point, with the report."""
-    from .checkpointing import check_compatible, load_state, resolve_resume, soft_settings
+    from .checkpointing import check_compatible, check_resume_weights, load_state, resolve_resume, soft_settings
     from .data_plan import plan_dataset
     from .evaluator import eval_prompts
 
@@ -61,6 +61,7 @@ def plan_run(config: Config) -> RunPlan:
     data_plan = plan_dataset(config.data, config.training.batch_size, world_size)
     if not data_plan.scan.images:
         raise ConfigError(f"data.image_dir = {config.data.image_dir!r}: no readable images found")
+    check_batches(config, data_plan)
     total_steps = count_steps(config, data_plan.batches_per_epoch)
     preflight = describe_plan(config, data_plan, total_steps)
     if config.data.latent_cache.enabled:
@@ -73,6 +74,7 @@ def plan_run(config: Config) -> RunPlan:
     if found:
         folder, state_path = found
         state = load_state(state_path)
+        check_resume_weights(folder, config)
         warnings = check_compatible(state, config, soft)
         position = state["position"]
         preflight += (f"\nresume: from {folder} at step {position['step']} (epoch {position['epoch']}, "
@@ -82,6 +84,24 @@ def plan_run(config: Config) -> RunPlan:
     elif config.training.resume_from == "latest":
         preflight += f"\nresume: latest: no checkpoint in {config.output_dir / 'checkpoints'} yet; starting a new run"
     return RunPlan(data_plan, total_steps, prompts, preflight, soft, resume)
+
+
+def check_batches(config: Config, data_plan: DatasetPlan) -> None:
+    """Refuse a plan that cannot make a batch: every bucket dropped, or fewer images than one
+    global batch (it would wait for a batch forever, or pad one image out to a whole batch)."""
+    key = "data.bucket.batch_size" if config.data.bucket.enabled else "training.batch_size"
+    smallest = min(data_plan.batch_sizes.values()) * data_plan.world_size
+    images = len(data_plan.scan.images)
+    processes = f" ({data_plan.world_size} processes)" if data_plan.world_size > 1 else ""
+    if data_plan.batches_per_epoch == 0:
+        buckets = ", ".join(f"{resolution} ({count} images, batch {size})"
+                            for resolution, count, size, _, _ in data_plan.bucket_rows())
+        raise ConfigError(f"data.bucket.drop_last: every bucket is smaller than its batch and is dropped: "
+                          f"{buckets}; set data.bucket.drop_last=false, or lower {key} "
+                          "(or data.bucket.per_resolution_batch_sizes)")
+    if images < smallest:
+        raise ConfigError(f"{key}: {images} usable image(s) are fewer than one global batch of {smallest}"
+                          f"{processes}; lower {key} to at most {images // data_plan.world_size or 1}")
 
 
 def count_steps(config: Config, batches_per_epoch: int) -> int:
@@ -104,7 +124,8 @@ def describe_plan(config: Config, data_plan: DatasetPlan, total_steps: int) -> s
                               ("text_encoder_2", config.model.train_text_encoder_2)) if on
     ]
     steps_per_epoch = data_plan.batches_per_epoch / config.training.grad_accum_steps
-    sizes = sorted(set(data_plan.batch_sizes.values()))
+    # What batches hold: a bucket with fewer images than its batch size makes smaller batches.
+    sizes = sorted({len(batch) // data_plan.world_size for batch in data_plan.sampler(seed=0).batches(epoch=0)})
     per_process = "/".join(str(size) for size in sizes)
     global_batch = "/".join(str(size * data_plan.world_size * config.training.grad_accum_steps) for size in sizes)
     return "\n".join([

@@ -20,10 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from .atomic import OutputWriteError
 from .checkpointing import Position, TrainerSnapshot
 from .config import Config
 from .nan_guard import ABORT, OK, SKIP, NaNGuard
 from .planning import RunPlan
+from .stop_request import EXIT_INTERRUPTED, StopRequest
 
 if TYPE_CHECKING:
     import torch
@@ -34,10 +36,11 @@ if TYPE_CHECKING:
     from .ema import EMA
     from .evaluator import Evaluator
     from .latent_cache import LatentCache
+    from .output_folder import OutputLock
     from .precision import PrecisionPlan
     from .training_setup import Trainable
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 @dataclass
@@ -50,6 +53,7 @@ class Tally:
     epoch_losses: list[torch.Tensor] = field(default_factory=list)
     rank_checks: int = 0
     loss_warned: bool = False
+    invalid_final_images: int = 0
 
 
 @dataclass
@@ -81,6 +85,10 @@ class Run:
     tally: Tally = field(default_factory=Tally)
     trained_params: list[torch.nn.Parameter] = field(default_factory=list)  # built once, used every step
     warmup_steps: int = 0  # of the LR schedule; EMA starts when it ends
+    lock: OutputLock | None = None  # the output folder's, held by the main process
+    stop: StopRequest | None = None  # Ctrl-C / SIGTERM, from the first step to the end
+    first_step: int = 0  # where this session started (a resume starts later than 0)
+    earlier_seconds: float = 0.0  # training time of the sessions before a resume
 
     @property
     def device(self) -> torch.device:
@@ -115,12 +123,10 @@ def start_run(config: Config, plan: RunPlan, pipe: StableDiffusionXLPipeline | N
     from .precision import plan_precision
 
     accelerator = make_accelerator(config)
+    lock = claim_output_folder(config, plan, accelerator)
     state = plan.resume[1] if plan.resume else None
-    # Resuming keeps the interrupted run's seed: the data order and augmentation depend on it.
-    seed = state["seed"] if state else config.training.seed or secrets.randbelow(2**31 - 1) + 1
+    seed = choose_seed(config, state, accelerator)
     set_seed(seed)
-    accelerator.print(f"seed: {seed}"
-                      + ("" if config.training.seed or state else " (drawn at random; set training.seed to repeat)"))
     precision = plan_precision(config, accelerator.device.type)
     accelerator.print(precision.table())
 
@@ -159,12 +165,55 @@ def start_run(config: Config, plan: RunPlan, pipe: StableDiffusionXLPipeline | N
     if accelerator.is_main_process:
         run.writer = open_writer(run, precision)
         run.evaluator = make_evaluator(run, cache)
-    run.started = time.time()
+    run.lock, run.first_step, run.started = lock, run.position.step, time.time()
     if state:  # from here on every process draws what it would have drawn next
         set_rng_state(state["rng"][accelerator.process_index % len(state["rng"])])
+    run.stop = StopRequest()
     run.progress = tqdm(total=plan.total_steps, initial=run.position.step, desc="training",
                         disable=not accelerator.is_main_process)
     return run
+
+
+def choose_seed(config: Config, state: dict[str, Any] | None, accelerator: Accelerator) -> int:
+    """The configured seed, or one drawn at random and said; a resume keeps the interrupted run's
+    seed (the data order and augmentation depend on it)."""
+    seed = state["seed"] if state else config.training.seed or secrets.randbelow(2**31 - 1) + 1
+    accelerator.print(f"seed: {seed}"
+                      + ("" if config.training.seed or state else " (drawn at random; set training.seed to repeat)"))
+    return seed
+
+
+def claim_output_folder(config: Config, plan: RunPlan, accelerator: Accelerator) -> OutputLock | None:
+    """The main process locks the output folder, removes what interrupted writes left there and
+    prunes checkpoints beyond the limit (a kill between writing one and pruning leaves one too
+    many); a folder in use by another run stops every process with a ConfigError."""
+    from accelerate.utils import broadcast_object_list
+
+    from .checkpointing import prune_checkpoints
+    from .config import ConfigError
+    from .output_folder import OutputLock, remove_leftovers
+
+    lock, refusal = None, None
+    if accelerator.is_main_process:
+        lock = OutputLock(config.output_dir)
+        try:
+            note = lock.acquire()
+        except ConfigError as exc:
+            lock, refusal = None, str(exc)
+        else:
+            if note:
+                print(f"note: {note}")
+            removed = remove_leftovers(config) + prune_checkpoints(
+                config.output_dir / "checkpoints", config.training.checkpoints_total_limit,
+                keep=plan.resume[0] if plan.resume else None)
+            if removed:
+                print(f"cleaned up {len(removed)} leftover(s) of an interrupted run: "
+                      + ", ".join(path.name for path in removed[:3]) + (" …" if len(removed) > 3 else ""))
+    if accelerator.num_processes > 1:
+        refusal = broadcast_object_list([refusal])[0]
+    if refusal:
+        raise ConfigError(refusal)
+    return lock
 
 
 def make_accelerator(config: Config) -> Accelerator:
@@ -253,6 +302,7 @@ def restore_training_state(run: Run, state: dict[str, Any]) -> None:
     run.lr_scheduler.load_state_dict(state["lr_scheduler"])
     run.scaler.load_state_dict(state["scaler"])
     run.position = Position(**state["position"])
+    run.earlier_seconds = state.get("seconds", 0.0)  # absent in states written before it was saved
     if state["ema"] is not None:
         model = run.config.model
         run.ema = EMA(list(run.trainable.named_parameters()), model.ema_decay, model.ema_device)
@@ -459,7 +509,7 @@ def take_snapshot(run: Run) -> TrainerSnapshot:
     return TrainerSnapshot(
         Position(**vars(run.position)), run.seed, whole_optimizer, run.lr_scheduler.state_dict(),
         run.scaler.state_dict(), run.ema.state_dict() if run.ema is not None else None,
-        run.guard.consecutive, rng_states,
+        run.guard.consecutive, rng_states, seconds=run.earlier_seconds + time.time() - run.started,
     )
 
 
@@ -507,42 +557,93 @@ def resume_command(command: list[str], checkpoint: Path, processes: int) -> str:
 
 def save_outputs(run: Run) -> int:
     """After the last step: the final weights (EMA's when on), the exports, the trainer state, and
-    the final eval images; the exit code says whether all of it worked."""
-    from . import checkpointing
+    the final eval images; the exit code says whether all of it worked. A stop requested during
+    these writes is honoured between them: the write in progress finishes, a checkpoint of the
+    last step is saved, and the resume command finishes the job."""
     from .distributed import check_finite_everywhere, gather_pipeline
-    from .export import ExportError, export_after_training
+    from .export import ExportError
     from .finite import NonFiniteWeightsError
-    from .outputs import save_final
 
-    accelerator, config = run.accelerator, run.config
+    accelerator = run.accelerator
     accelerator.wait_for_everyone()
     if run.tally.rank_checks:
         accelerator.print(f"{accelerator.num_processes} processes held identical weights at all "
                           f"{run.tally.rank_checks} checks")
-    if run.ema is not None:
-        run.ema.copy_to()  # the final weights are the averaged ones
-        accelerator.print("final weights: EMA of the trained weights")
+    if run.stop.agreed(accelerator):  # asked during the last step
+        return interrupt(run)
+    run.stop.action = "finishing the write in progress, then saving a checkpoint"
+    snapshot = take_snapshot(run)
     try:
-        check_finite_everywhere(accelerator, run.trainable)
-        snapshot = take_snapshot(run)
-        pipe = gather_pipeline(accelerator, run.pipe, run.trainable)
-        if not accelerator.is_main_process:
-            return EXIT_OK
-        trainable = run.trainable.on(pipe)
-        save_final(config, pipe, trainable)
-        export_after_training(config, pipe, trainable)
+        with run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext():
+            if run.ema is not None:
+                accelerator.print("final weights: EMA of the trained weights")
+            check_finite_everywhere(accelerator, run.trainable)
+            pipe = gather_pipeline(accelerator, run.pipe, run.trainable)
+            if not accelerator.is_main_process:
+                return EXIT_OK
+            pending = None
+            for upcoming in final_writes(run, pipe, snapshot):
+                if run.stop.requested:
+                    pending = upcoming
+                    break
     except ExportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return finish(run, "failed: export", EXIT_FAILED)
     except NonFiniteWeightsError as exc:
         accelerator.print(f"error: {exc}; nothing was saved", file=sys.stderr)
         return finish(run, "aborted: non-finite weights", EXIT_FAILED)
-    checkpointing.save_state(config.state_path, config, run.plan.soft, snapshot)
-    invalid = run.evaluator.final(pipe.to(run.device), run.position.step) if run.evaluator else 0
+    if pending:
+        return interrupt_final(run, pipe, snapshot, pending)
+    invalid = run.tally.invalid_final_images
     if invalid:
         print(f"error: {invalid} final eval image(s) are invalid (see above)", file=sys.stderr)
         return finish(run, f"failed: {invalid} invalid final eval image(s)", EXIT_FAILED)
     return finish(run, "completed", EXIT_OK)
+
+
+def final_writes(run: Run, pipe: StableDiffusionXLPipeline, snapshot: TrainerSnapshot) -> Iterator[str]:
+    """The final outputs, one write at a time: it names each write before starting it, so the
+    caller can stop between two."""
+    from . import checkpointing
+    from .export import export_after_training
+    from .outputs import save_final
+
+    config, trainable = run.config, run.trainable.on(pipe)
+    yield "final weights"
+    save_final(config, pipe, trainable)
+    yield "exports"
+    export_after_training(config, pipe, trainable)
+    yield "trainer state"
+    checkpointing.save_state(config.state_path, config, run.plan.soft, snapshot)
+    if run.evaluator:
+        yield "final eval"
+        run.tally.invalid_final_images = run.evaluator.final(pipe.to(run.device), run.position.step)
+
+
+def interrupt_final(run: Run, pipe: StableDiffusionXLPipeline, snapshot: TrainerSnapshot, pending: str) -> int:
+    """A stop during the final writes (main process; the others have left): a checkpoint of the
+    last step, from the trained (not EMA) weights, which the main process holds unless they are
+    sharded; resuming from it redoes the final writes."""
+    from . import checkpointing
+    from .distributed import is_sharded
+
+    config, step = run.config, run.position.step
+    said = f"interrupted during the final save, before the {pending}"
+    status = f"interrupted during the final save at step {step}"
+    if run.ema is not None and is_sharded(run.accelerator):  # `pipe` holds the gathered EMA weights
+        checkpoints = checkpointing.list_checkpoints(config.output_dir / "checkpoints")
+        print(f"\n{said}; the trained weights are sharded and were not saved: the last checkpoint is "
+              f"{checkpoints[-1] if checkpoints else 'none'}", file=sys.stderr)
+        return finish(run, status, EXIT_INTERRUPTED)
+
+    def write_state(path: Path) -> None:
+        checkpointing.save_state(path, config, run.plan.soft, snapshot)
+
+    # Unsharded, `pipe` is the training pipeline, the EMA swapped out again by now.
+    folder = checkpointing.save_checkpoint(config, pipe, run.trainable.on(pipe), step, write_state)
+    print(f"\n{said}; the final save resumes from {folder}, at step {step}. "
+          + resume_command(run.plan.command, folder, run.accelerator.num_processes))
+    return finish(run, status, EXIT_INTERRUPTED)
 
 
 def finish(run: Run, status: str, code: int) -> int:
@@ -553,17 +654,27 @@ def finish(run: Run, status: str, code: int) -> int:
     if not run.accelerator.is_main_process:
         return code
     config, evaluator, scan = run.config, run.evaluator, run.plan.data.scan
-    write_summary(config, {
+    session = time.time() - run.started
+    summary = {
         "status": status, "steps": run.position.step, "epoch": run.position.epoch,
         "checkpoints": [str(path) for path in list_checkpoints(config.output_dir / "checkpoints")],
-        "seconds": round(time.time() - run.started, 1), "seed": run.seed,
+        "seconds": round(run.earlier_seconds + session, 1), "seed": run.seed,
         "images": len(scan.images),
         "skipped_files": [{"path": str(p), "reason": r} for p, r in scan.skipped],
         "nan_events": run.guard.events,
         "eval": evaluator.results if evaluator else [],
         "invalid_eval_images": evaluator.invalid_images if evaluator else [],
-    })
+    }
+    try:
+        write_summary(config, summary)
+    except OutputWriteError as exc:  # a full disk: the status line below still says how it ended
+        print(f"error: {exc}", file=sys.stderr)
     if run.writer:
         run.writer.close()
-    print(f"{status}: {run.position.step} steps in {time.time() - run.started:.0f} s; outputs in {config.output_dir}")
+    if run.lock:
+        run.lock.release()
+    steps, resumed = run.position.step, run.first_step > 0
+    this_session = f" ({steps - run.first_step} steps in {session:.0f} s since the resume)" if resumed else ""
+    print(f"{status}: {steps} steps in {run.earlier_seconds + session:.0f} s{this_session}; "
+          f"outputs in {config.output_dir}")
     return code

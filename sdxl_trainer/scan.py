@@ -40,8 +40,11 @@ def scan_images(data: DataConfig) -> ScanReport:
     corrupt or truncated file is skipped now, with its reason, instead of failing hours later."""
     folder = Path(data.image_dir)
     pattern = "**/*" if data.recursive else "*"
-    paths = sorted(p for p in folder.glob(pattern) if p.suffix.lower() in IMAGE_EXTENSIONS and p.is_file())
+    candidates = sorted(p for p in folder.glob(pattern) if p.suffix.lower() in IMAGE_EXTENSIONS)
+    paths = [p for p in candidates if p.is_file()]
     report = ScanReport()
+    report.skipped += [(p, f"broken symbolic link (to {os.readlink(p)})") for p in candidates
+                       if p.is_symlink() and not p.exists()]
     workers = max(1, min(8, os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:  # PIL decodes without holding the GIL
         checks = pool.map(lambda p: inspect_image(p, data.max_image_pixels), paths)

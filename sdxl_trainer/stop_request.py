@@ -1,4 +1,4 @@
-"""Ctrl-C and SIGTERM during training: finish the step, save a checkpoint, exit."""
+"""Ctrl-C and SIGTERM during training: finish the step, save a checkpoint, exit 130."""
 
 from __future__ import annotations
 
@@ -11,9 +11,13 @@ if TYPE_CHECKING:
     from accelerate import Accelerator
 
 
+EXIT_INTERRUPTED = 130
+
+
 class StopRequest:
-    """Ctrl-C / SIGTERM: the first finishes the current optimizer step, saves a checkpoint and exits;
-    a second one exits at once (every write is atomic, so nothing is left half-written).
+    """Ctrl-C / SIGTERM: the first finishes the current optimizer step (or, during the final save,
+    the write in progress), saves a checkpoint and exits; a second one exits at once (every write
+    is atomic, so nothing is left half-written; the next start removes the temp files).
 
     A repeat within `REPEAT_WINDOW_S` is the same request, not a second press: `accelerate launch`
     passes on the signal it got, and a cluster scheduler may signal the launcher and every
@@ -24,6 +28,7 @@ class StopRequest:
     def __init__(self) -> None:
         self.requested = False
         self.requested_at = 0.0
+        self.action = "finishing this step and saving a checkpoint"  # what the first signal leads to
         self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def _handle(self, signum, frame) -> None:
@@ -31,10 +36,12 @@ class StopRequest:
             if time.monotonic() - self.requested_at < self.REPEAT_WINDOW_S:
                 return
             self.restore()
-            raise KeyboardInterrupt
+            print(f"\n{signal.Signals(signum).name} again: exiting at once, without a checkpoint of this step",
+                  file=sys.stderr)
+            raise SystemExit(EXIT_INTERRUPTED)  # unwinds (temp files are removed) and prints no traceback
         self.requested, self.requested_at = True, time.monotonic()
-        print(f"\n{signal.Signals(signum).name}: finishing this step and saving a checkpoint "
-              "(press Ctrl-C again to exit at once)", file=sys.stderr)
+        print(f"\n{signal.Signals(signum).name}: {self.action} (press Ctrl-C again to exit at once)",
+              file=sys.stderr)
 
     def agreed(self, accelerator: Accelerator) -> bool:
         """Whether any process was asked to stop (they must all checkpoint at the same step)."""
