@@ -19,8 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 BUCKET_KEY = re.compile(r"^(\d+)x(\d+)$")
 
 SAMPLER_NAMES = (
-    "euler", "euler_a", "heun", "lms", "dpm_2", "dpm_2_a", "dpmpp_2m", "dpmpp_2m_sde",
-    "dpmpp_2m_sde_heun", "dpmpp_sde", "ddim", "ddpm", "unipc", "deis", "pndm",
+    "euler", "euler_ancestral", "euler_a", "heun", "lms", "dpm_2", "dpm_2_ancestral", "dpm_2_a",
+    "dpmpp_2s_ancestral", "dpmpp_2m", "dpmpp_2m_sde", "dpmpp_2m_sde_heun", "dpmpp_sde", "dpmpp_3m_sde",
+    "ddim", "ddpm", "unipc", "deis", "pndm",
 )
 
 
@@ -349,11 +350,17 @@ class FinalEvalConfig(Section):
 
 
 class EvalConfig(Section):
-    backend: Literal["diffusers", "kdiffusion"] = Field("diffusers", description="Sampling backend.")
+    backend: Literal["auto", "kdiffusion", "diffusers"] = Field(
+        "auto",
+        description="`kdiffusion`: ComfyUI's samplers and schedules, computed as ComfyUI computes them (same sigmas, "
+        "timesteps and noise for a seed); `diffusers`: diffusers schedulers (their sigmas differ from ComfyUI's for "
+        "most schedules); `auto`: `kdiffusion` when `sampler_name` and `scheduler` are both ComfyUI names.",
+    )
     sampler_name: Literal[SAMPLER_NAMES] = Field("euler", description="Sampler, by its k-diffusion/ComfyUI name.")  # type: ignore[valid-type]
     scheduler: str = Field(
         "normal",
-        description="Sigma schedule (`normal`, `karras`, `exponential`, `beta`) or a diffusers scheduler class name.",
+        description="Sigma schedule by its ComfyUI name (`normal`, `karras`, `exponential`, `sgm_uniform`, `simple`, "
+        "`ddim_uniform`, `beta`, `kl_optimal`), or (diffusers backend) a diffusers scheduler class name.",
     )
     num_inference_steps: PositiveInt = Field(30, description="Sampling steps.")
     cfg_scale: float = Field(7.0, ge=0.0, description="Classifier-free guidance scale.")
@@ -548,6 +555,9 @@ def _describe(error: Any) -> str:
     if error["type"] == "missing":
         return f"{key} is required"
     message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == "literal_error" and isinstance(error.get("input"), str):
+        match = closest(error["input"], re.findall(r"'([^']*)'", str(context.get("expected", ""))))
+        message += f' (did you mean "{match}"?)' if match else ""
     return f"{key} = {json.dumps(error.get('input'), default=str)}: {message}"
 
 

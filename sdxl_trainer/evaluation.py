@@ -24,10 +24,11 @@ import numpy as np
 from PIL import Image, ImageDraw
 
 from .atomic import atomic_dir
+from .comfyui_sampling import comfyui_latents, eval_backend
 from .eval_prompts import EvalPrompt
 from .image_checks import LIKELY_CAUSES, check_image
 from .module_modes import eval_mode
-from .samplers import check_sampler, make_eval_scheduler
+from .samplers import check_eval_sampler, make_eval_scheduler
 
 if TYPE_CHECKING:
     import torch
@@ -82,7 +83,8 @@ def run_evaluation(
     """
     import torch
 
-    check_sampler(eval_config.sampler_name, eval_config.scheduler, eval_config.backend)
+    check_eval_sampler(eval_config)
+    comfyui = eval_backend(eval_config) == "kdiffusion"
     prompts = prompts[:max_batches]
     if not prompts:
         raise ValueError("no eval prompts to render")
@@ -93,9 +95,13 @@ def run_evaluation(
         for prompt in prompts:
             # A fresh scheduler per image, and the prompt's seed also in the global CPU generator (which
             # e.g. DPMSolverSDEScheduler draws its noise seed from): each image depends on its seed only.
-            pipe.scheduler = make_eval_scheduler(base_scheduler_config, eval_config.sampler_name, eval_config.scheduler)
+            if not comfyui:
+                pipe.scheduler = make_eval_scheduler(base_scheduler_config, eval_config.sampler_name,
+                                                     eval_config.scheduler)
             torch.random.default_generator.manual_seed(prompt.seed)
-            images.append(_render(pipe, vae, eval_config, prompt))
+            latents = comfyui_latents(pipe, eval_config, prompt) if comfyui else _diffusers_latents(
+                pipe, eval_config, prompt)
+            images.append(_decode(pipe, vae, latents))
 
     reasons = [check_image(image) for image in images]
     pictures = [_to_uint8(image) for image in images]
@@ -118,14 +124,12 @@ def run_evaluation(
     return EvalResult(folder=folder, images=paths, grid=folder / GRID_NAME, invalid=invalid)
 
 
-def _render(pipe: StableDiffusionXLPipeline, vae: AutoencoderKL, eval_config: EvalConfig,
-            prompt: EvalPrompt) -> np.ndarray:
-    """One image as floats in [0, 1] (height, width, 3), NaN kept. The latents are decoded here
-    rather than by the pipeline, which decodes in the VAE's own dtype (and on MPS casts the VAE
-    to the latents' fp16)."""
+def _diffusers_latents(pipe: StableDiffusionXLPipeline, eval_config: EvalConfig,
+                       prompt: EvalPrompt) -> torch.Tensor:
+    """One prompt's final latents from the diffusers pipeline and its (eval) scheduler."""
     import torch
 
-    latents = pipe(
+    return pipe(
         prompt=prompt.prompt,
         negative_prompt=prompt.negative_prompt or None,  # None: SDXL's zero embedding for "no negative"
         width=prompt.width,
@@ -135,6 +139,14 @@ def _render(pipe: StableDiffusionXLPipeline, vae: AutoencoderKL, eval_config: Ev
         generator=torch.Generator().manual_seed(prompt.seed),  # on the CPU: the same noise on every device
         output_type="latent",
     ).images
+
+
+def _decode(pipe: StableDiffusionXLPipeline, vae: AutoencoderKL, latents: torch.Tensor) -> np.ndarray:
+    """One image as floats in [0, 1] (height, width, 3), NaN kept. The latents are decoded here
+    rather than by the pipeline, which decodes in the VAE's own dtype (and on MPS casts the VAE
+    to the latents' fp16)."""
+    import torch
+
     # The scaling factor from the VAE's own config, the one training encodes with: a hard-coded
     # factor of another VAE corrupts the latents (docs/design.md, 'The original tool's NaN post-mortems').
     decoded = vae.decode(latents.to(vae.device, torch.float32) / vae.config.scaling_factor).sample

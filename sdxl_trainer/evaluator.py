@@ -24,14 +24,14 @@ VALIDATION_BATCHES = 4
 def eval_prompts(config: Config) -> list[EvalPrompt]:
     """The eval prompts, checked at config time (a ConfigError names the file and the entry)."""
     from .config import ConfigError
-    from .samplers import check_sampler
+    from .samplers import check_eval_sampler
 
     evaluation = config.eval
     if not (evaluation.live.enabled or evaluation.final.enabled):
         return []
     if not evaluation.prompts_path:
         raise ConfigError("eval.prompts_path is required when eval.live or eval.final is enabled")
-    check_sampler(evaluation.sampler_name, evaluation.scheduler, evaluation.backend)
+    check_eval_sampler(evaluation)
     return load_prompts(evaluation.prompts_path, evaluation.width, evaluation.height)
 
 

@@ -40,7 +40,7 @@ def inspect_image(path: Path, max_pixels: int) -> tuple[int, int, str] | str:
         return "too large: refused as a possible decompression bomb"
     except UnidentifiedImageError:  # its message names the in-memory buffer, not the file
         return "not an image (PIL recognises no image format in it)"
-    except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as exc:
+    except (OSError, SyntaxError, ValueError) as exc:
         return f"cannot read image: {exc}"
     return width, height, hashlib.sha256(content).hexdigest()
 

@@ -20,16 +20,20 @@ from .config import ConfigError, closest
 if TYPE_CHECKING:
     from diffusers import SchedulerMixin
 
+    from .config import EvalConfig
+
 # sampler name -> (diffusers scheduler class, the settings that make it that sampler). The settings
 # are explicit even where they equal the class default: the base model's scheduler config is the
 # starting point and may carry other values (e.g. an SDE algorithm_type, or clip_sample=True).
 SAMPLERS: dict[str, tuple[str, dict[str, Any]]] = {
     "euler": ("EulerDiscreteScheduler", {}),
     "euler_a": ("EulerAncestralDiscreteScheduler", {}),
+    "euler_ancestral": ("EulerAncestralDiscreteScheduler", {}),
     "heun": ("HeunDiscreteScheduler", {}),
     "lms": ("LMSDiscreteScheduler", {}),
     "dpm_2": ("KDPM2DiscreteScheduler", {}),
     "dpm_2_a": ("KDPM2AncestralDiscreteScheduler", {}),
+    "dpm_2_ancestral": ("KDPM2AncestralDiscreteScheduler", {}),
     "dpmpp_2m": (
         "DPMSolverMultistepScheduler", {"algorithm_type": "dpmsolver++", "solver_type": "midpoint", "solver_order": 2}
     ),
@@ -73,17 +77,18 @@ def scheduler_class_names() -> list[str]:
     return [member.name for member in KarrasDiffusionSchedulers]
 
 
-def check_sampler(sampler_name: str, schedule: str, backend: str = "diffusers") -> None:
-    """Raise a ConfigError when the eval sampler settings cannot run with what is installed."""
-    if backend == "kdiffusion":
-        import diffusers
+def check_eval_sampler(eval_config: EvalConfig) -> None:
+    """Raise a ConfigError when the `eval` block's sampler settings cannot run on its backend."""
+    from .comfyui_sampling import check_comfyui_sampler, eval_backend
 
-        raise ConfigError(
-            f'eval.backend = "kdiffusion": diffusers removed StableDiffusionXLKDiffusionPipeline (installed: '
-            f"diffusers {diffusers.__version__}), so installing k-diffusion cannot enable it; use "
-            f'eval.backend = "diffusers", which runs every eval.sampler_name ({", ".join(SAMPLERS)}) with '
-            "diffusers schedulers"
-        )
+    if eval_backend(eval_config) == "kdiffusion":
+        check_comfyui_sampler(eval_config.sampler_name, eval_config.scheduler, eval_config.num_inference_steps)
+    else:
+        check_sampler(eval_config.sampler_name, eval_config.scheduler)
+
+
+def check_sampler(sampler_name: str, schedule: str) -> None:
+    """Raise a ConfigError when a diffusers-backend choice cannot run with what is installed."""
     _resolve(sampler_name, schedule)
 
 
@@ -97,6 +102,9 @@ def make_eval_scheduler(base_scheduler_config: dict[str, Any], sampler_name: str
 def _resolve(sampler_name: str, schedule: str) -> tuple[type, dict[str, Any]]:
     """The scheduler class and config overrides for a sampler and schedule, or a ConfigError."""
     if schedule in SIGMA_SCHEDULES:
+        if sampler_name in ("dpmpp_2s_ancestral", "dpmpp_3m_sde"):
+            raise ConfigError(f'eval.sampler_name = "{sampler_name}" has no diffusers scheduler: use it with '
+                              'eval.backend = "kdiffusion" (or "auto")')
         if sampler_name not in SAMPLERS:
             raise ConfigError(
                 f'eval.sampler_name = "{sampler_name}": unknown sampler{_did_you_mean(sampler_name, SAMPLERS)}; '

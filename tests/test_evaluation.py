@@ -30,10 +30,12 @@ from tests.helpers import ROOT, tiny_config
 EXPECTED_TABLE = """
 euler              EulerDiscreteScheduler
 euler_a            EulerAncestralDiscreteScheduler
+euler_ancestral    EulerAncestralDiscreteScheduler
 heun               HeunDiscreteScheduler
 lms                LMSDiscreteScheduler
 dpm_2              KDPM2DiscreteScheduler
 dpm_2_a            KDPM2AncestralDiscreteScheduler
+dpm_2_ancestral    KDPM2AncestralDiscreteScheduler
 dpmpp_2m           DPMSolverMultistepScheduler     algorithm_type=dpmsolver++ solver_type=midpoint
 dpmpp_2m_sde       DPMSolverMultistepScheduler     algorithm_type=sde-dpmsolver++ solver_type=midpoint
 dpmpp_2m_sde_heun  DPMSolverMultistepScheduler     algorithm_type=sde-dpmsolver++ solver_type=heun
@@ -49,14 +51,17 @@ EXPECTED_SCHEDULERS = {
     for name, class_name, *settings in (line.split() for line in EXPECTED_TABLE.strip().splitlines())
 }
 # Samplers whose diffusers scheduler has no karras/exponential/beta sigmas (read in diffusers 0.42).
-ONLY_NORMAL_SIGMAS = {"euler_a", "ddim", "ddpm", "pndm"}
+ONLY_NORMAL_SIGMAS = {"euler_a", "euler_ancestral", "ddim", "ddpm", "pndm"}
+COMFYUI_ONLY = {"dpmpp_2s_ancestral", "dpmpp_3m_sde"}  # no diffusers scheduler: the kdiffusion backend only
+DIFFUSERS_SAMPLERS = [name for name in SAMPLER_NAMES if name not in COMFYUI_ONLY]
 NEEDS_SCIPY = {"lms"}  # diffusers only provides LMSDiscreteScheduler with scipy installed
 SIGMA_FLAGS = ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas")
 
 
 def eval_config(**values) -> EvalConfig:
-    """Fast settings for the tiny model: 2 steps at 64x64."""
-    return EvalConfig(**{"num_inference_steps": 2, "width": 64, "height": 64, **values})
+    """Fast settings for the tiny model: 2 steps at 64x64, on the diffusers backend (the kdiffusion
+    one is tested in test_kdiffusion.py)."""
+    return EvalConfig(**{"num_inference_steps": 2, "width": 64, "height": 64, "backend": "diffusers", **values})
 
 
 def prompt(text: str = "a red circle", seed: int = 1, width: int = 64, height: int = 64) -> EvalPrompt:
@@ -92,10 +97,13 @@ def can_build(sampler_name: str) -> bool:
 
 # ------------------------------------------------------------------------------------ samplers
 def test_every_schema_sampler_name_is_mapped() -> None:
-    assert set(SAMPLERS) == set(SAMPLER_NAMES) == set(EXPECTED_SCHEDULERS)
+    assert set(SAMPLERS) == set(DIFFUSERS_SAMPLERS) == set(EXPECTED_SCHEDULERS)
+    for name in COMFYUI_ONLY:
+        with pytest.raises(ConfigError, match=f'"{name}" has no diffusers scheduler: use it with eval.backend'):
+            check_sampler(name, "normal")
 
 
-@pytest.mark.parametrize("sampler_name", SAMPLER_NAMES)
+@pytest.mark.parametrize("sampler_name", DIFFUSERS_SAMPLERS)
 def test_sampler_builds_the_intended_scheduler(shared_pipe, sampler_name: str) -> None:
     if not can_build(sampler_name):
         with pytest.raises(ConfigError, match="pip install scipy"):
@@ -116,7 +124,7 @@ def test_sampler_builds_the_intended_scheduler(shared_pipe, sampler_name: str) -
     assert scheduler.config.beta_end == pytest.approx(0.012)
 
 
-@pytest.mark.parametrize("sampler_name", SAMPLER_NAMES)
+@pytest.mark.parametrize("sampler_name", DIFFUSERS_SAMPLERS)
 @pytest.mark.parametrize(("schedule", "flag"), [("karras", "use_karras_sigmas"),
                                                 ("exponential", "use_exponential_sigmas")])
 def test_sigma_schedule_sets_exactly_its_flag_or_is_refused(sampler_name: str, schedule: str, flag: str) -> None:
@@ -142,7 +150,7 @@ def test_unknown_sampler_or_schedule_is_rejected_with_the_valid_names() -> None:
     with pytest.raises(ConfigError) as error:
         check_sampler("eulr", "normal")
     assert 'did you mean "euler"' in str(error.value)
-    assert all(name in str(error.value) for name in SAMPLER_NAMES)
+    assert all(name in str(error.value) for name in DIFFUSERS_SAMPLERS)
     with pytest.raises(ConfigError) as error:
         check_sampler("euler", "karas")
     message = str(error.value)
@@ -157,12 +165,7 @@ def test_scheduler_may_name_a_diffusers_class(shared_pipe) -> None:
         check_sampler("euler", "FlowMatchEulerDiscreteScheduler")
 
 
-def test_kdiffusion_backend_is_a_config_error_that_says_what_to_use() -> None:
-    with pytest.raises(ConfigError, match=r'eval\.backend = "kdiffusion".*use eval\.backend = "diffusers"'):
-        check_sampler("euler", "normal", "kdiffusion")
-
-
-@pytest.mark.parametrize("sampler_name", [name for name in SAMPLER_NAMES if can_build(name)])
+@pytest.mark.parametrize("sampler_name", [name for name in DIFFUSERS_SAMPLERS if can_build(name)])
 def test_each_sampler_renders_a_finite_image_with_its_scheduler(shared_pipe, tmp_path: Path, sampler_name: str) -> None:
     used = []
     hook = shared_pipe.unet.register_forward_pre_hook(lambda *_: used.append(type(shared_pipe.scheduler).__name__))
@@ -268,7 +271,8 @@ def test_output_layout_and_tensorboard(shared_pipe, tmp_path: Path, capsys) -> N
 
 
 # --------------------------------------------------------------------------- training state
-def test_training_state_and_global_rng_are_untouched(pipe, tmp_path: Path) -> None:
+@pytest.mark.parametrize("backend", ["diffusers", "kdiffusion"])
+def test_training_state_and_global_rng_are_untouched(pipe, tmp_path: Path, backend: str) -> None:
     config = validate_config(tiny_config(tmp_path, model={"use_gradient_checkpointing": True}))
     prepare_trainable(pipe, config)  # DoRA adapters on the UNet and CLIP-L, gradient checkpointing, train()
     pipe.unet.down_blocks[0].eval()  # one frozen part inside a training module stays as it is
@@ -304,8 +308,8 @@ def test_training_state_and_global_rng_are_untouched(pipe, tmp_path: Path) -> No
 
     hooks = [pipe.unet.register_forward_pre_hook(during_unet_call),
              pipe.vae.decoder.register_forward_pre_hook(lambda module, args: decode_dtypes.append(args[0].dtype))]
-    result = run_evaluation(pipe, eval_config(sampler_name="dpmpp_2m_sde"), [prompt(seed=5), prompt(seed=5)],
-                            tmp_path, tag="live", step=1)
+    result = run_evaluation(pipe, eval_config(sampler_name="dpmpp_2m_sde", backend=backend),
+                            [prompt(seed=5), prompt(seed=5)], tmp_path, tag="live", step=1)
     for hook in hooks:
         hook.remove()
 
