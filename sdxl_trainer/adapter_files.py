@@ -9,6 +9,9 @@ time, and merging one into a loaded pipeline (the trainer's own loader, for both
   `lora_<unet|te1|te2>_<module path with _>.lora_down.weight`, `.lora_up.weight`, a 0-dim
   `.alpha` and, for DoRA, `.dora_scale` on the output axis ([out, 1], [out, 1, 1, 1]) or, from
   LyCORIS before 3.2, the input axis ([1, in], [1, in, 1, 1]).
+- LyCORIS's LoKr (`.lokr_w1` or `.lokr_w1_a`/`_b`, `.lokr_w2` or `.lokr_w2_a`/`_b`) and LoHa
+  (`.hada_w1_a`, `.hada_w1_b`, `.hada_w2_a`, `.hada_w2_b`), with `.alpha`, under either kind of
+  module name (peft's `peft_adapter_weights.safetensors` uses the same tensor names).
 
 docs/formats.md has both in full ("Adapter files: diffusers/peft", "Adapter files: kohya/LyCORIS").
 
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .adapters import DIFFUSERS_WEIGHT_NAME
+from .adapters import DIFFUSERS_WEIGHT_NAME, PEFT_WEIGHT_NAME
 from .kohya_format import PREFIXES, kohya_module_name
 from .kohya_format import merged_weight as kohya_merged_weight
 from .tensor_reader import TensorReader
@@ -49,10 +52,15 @@ ROLES = {
     ".alpha": "alpha",
     ".dora_scale": "magnitude", ".lora_magnitude_vector.weight": "magnitude", ".lora_magnitude_vector": "magnitude",
 }
+LOKR_ROLES = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")
+LOHA_ROLES = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2")
+ROLES |= {f".{role}": role for role in (*LOKR_ROLES, *LOHA_ROLES)}  # one spelling in both formats
+_LYCORIS_SUFFIXES = {role: f".{role}" for role in (*LOKR_ROLES, *LOHA_ROLES)}
 CANONICAL_SUFFIXES = {
     PEFT: {"down": ".lora_A.weight", "up": ".lora_B.weight", "alpha": ".alpha",
-           "magnitude": ".lora_magnitude_vector.weight"},
-    KOHYA: {"down": ".lora_down.weight", "up": ".lora_up.weight", "alpha": ".alpha", "magnitude": ".dora_scale"},
+           "magnitude": ".lora_magnitude_vector.weight", **_LYCORIS_SUFFIXES},
+    KOHYA: {"down": ".lora_down.weight", "up": ".lora_up.weight", "alpha": ".alpha", "magnitude": ".dora_scale",
+            **_LYCORIS_SUFFIXES},
 }
 
 
@@ -71,6 +79,7 @@ class AdapterModule:
     tensors: dict[str, torch.Tensor]  # role (down, up, alpha, magnitude) → tensor
     keys: dict[str, str]  # role → key in the file
     alpha: float  # the effective alpha: every format's scale is alpha / rank
+    config_rank: int | None = None  # peft's r for a peft-format LoKr module, whose scale is alpha/r always
 
     @property
     def label(self) -> str:
@@ -89,25 +98,71 @@ class AdapterModule:
         return self.tensors.get("magnitude")
 
     @property
-    def rank(self) -> int:
-        return self.down.shape[0]
+    def algorithm(self) -> str:
+        """lora (DoRA included), lokr or loha, from the tensors' roles."""
+        if any(role in self.tensors for role in LOKR_ROLES):
+            return "lokr"
+        return "loha" if any(role in self.tensors for role in LOHA_ROLES) else "lora"
+
+    @property
+    def factor_roles(self) -> list[str]:
+        """The roles of the tensors whose product is the update (all but alpha and magnitude)."""
+        return [role for role in self.tensors if role not in ("alpha", "magnitude")]
+
+    @property
+    def rank(self) -> int | None:
+        """LoRA's and LoHa's inner dimension; LoKr's where a factor is decomposed, else None
+        (the loaders then use scale 1)."""
+        if self.algorithm == "lora":
+            return self.down.shape[0]
+        if self.algorithm == "loha":
+            inner = self.tensors.get("hada_w1_b")
+            return None if inner is None else inner.shape[0]
+        if self.config_rank is not None:
+            return self.config_rank
+        decomposed = self.tensors.get("lokr_w1_b", self.tensors.get("lokr_w2_b"))
+        return None if decomposed is None else decomposed.shape[0]
 
     @property
     def scale(self) -> float:
-        return self.alpha / self.rank
+        return 1.0 if self.rank is None else self.alpha / self.rank
 
     @property
     def out_features(self) -> int:
-        return self.up.shape[0]
+        if self.algorithm == "lora":
+            return self.up.shape[0]
+        return self.flat_delta().shape[0]
 
     @property
     def in_features(self) -> int:
-        return self.down.shape[1]
+        return self.down.shape[1] if self.algorithm == "lora" else self.flat_delta()[0].numel()
 
-    def delta(self) -> torch.Tensor:
-        """ΔW = scale·up@down in fp32, shaped like the layer's weight (Linear or Conv2d)."""
-        flat = self.up.float().flatten(1) @ self.down.float().flatten(1)
-        return (flat * self.scale).reshape(self.out_features, *self.down.shape[1:])
+    def flat_delta(self) -> torch.Tensor:
+        """The update as [out, in·kernel] without the scale, in fp32."""
+        import torch
+
+        factors = {role: tensor.float() for role, tensor in self.tensors.items()}
+        if self.algorithm == "lora":
+            return factors["up"].flatten(1) @ factors["down"].flatten(1)
+        if self.algorithm == "loha":
+            if "hada_t1" in factors:
+                raise AdapterFileError(f"{self.label}: LoHa with Tucker factors (hada_t1) is not supported")
+            return ((factors["hada_w1_a"] @ factors["hada_w1_b"]) * (factors["hada_w2_a"] @ factors["hada_w2_b"]))
+        if "lokr_t2" in factors:
+            raise AdapterFileError(f"{self.label}: LoKr with a Tucker factor (lokr_t2) is not supported")
+        w1 = factors["lokr_w1"] if "lokr_w1" in factors else factors["lokr_w1_a"] @ factors["lokr_w1_b"]
+        w2 = factors["lokr_w2"] if "lokr_w2" in factors else factors["lokr_w2_a"] @ factors["lokr_w2_b"]
+        if w2.dim() == 4:  # a full convolution factor: [b, d, kh, kw] with the kernel last
+            w1 = w1[:, :, None, None]
+        kron = torch.kron(w1, w2)
+        return kron.reshape(kron.shape[0], -1)
+
+    def delta(self, shape: tuple[int, ...] | torch.Size | None = None) -> torch.Tensor:
+        """ΔW = scale·(the factors' product) in fp32, shaped like the layer's weight: `shape`, or
+        for LoRA the shape its factors give."""
+        if shape is None:
+            shape = (self.out_features, *self.down.shape[1:])
+        return (self.flat_delta() * self.scale).reshape(shape)
 
     def magnitude_layout(self) -> tuple[str, tuple[int, ...]] | None:
         """The axis of the DoRA magnitude ("output": one value per output channel, "input": per
@@ -140,6 +195,8 @@ def merged_weight(base_weight: torch.Tensor, module: AdapterModule) -> torch.Ten
     """The weight the module stands for at strength 1, in fp32: W + ΔW for LoRA; for DoRA
     V·m/‖V‖ with V = W + ΔW, the norm on the magnitude's axis (peft, LyCORIS)."""
     base, magnitude, layout = base_weight.float(), module.magnitude, module.magnitude_layout()
+    if module.algorithm != "lora":
+        return base + module.delta(base.shape)
     if magnitude is None:
         return kohya_merged_weight(base, module.down.float(), module.up.float(), module.alpha)
     if layout is None:
@@ -167,8 +224,8 @@ class AdapterFile:
         self.format, self.format_reason = _detect(self.reader.keys, self.path)
         self.groups, self.other_keys = _group(self.format, self.reader.keys, self.path)
         if not self.groups:
-            raise AdapterFileError(f"{self.path}: no lora_down/lora_up (lora_A/lora_B) modules; other LyCORIS "
-                                   "algorithms (LoHa, LoKr, …) are not supported")
+            raise AdapterFileError(f"{self.path}: no LoRA (lora_down/lora_up, lora_A/lora_B), LoKr (lokr_*) or "
+                                   "LoHa (hada_*) modules; other LyCORIS algorithms are not supported")
         self.name_map = name_map or {}
         self._peft_configs = _peft_configs(self.reader.metadata) if self.format == PEFT else {}
 
@@ -196,25 +253,33 @@ class AdapterFile:
             component = next(c for prefix, c in KOHYA_PREFIXES.items() if canonical.startswith(prefix))
             component, name = self.name_map.get(canonical, (component, None))
         module = AdapterModule(canonical, self.format, component, name, tensors, keys, alpha=math.nan)
-        if "down" in tensors:
+        if module.algorithm == "lokr" and self.format == PEFT:
+            module.config_rank = int(self._pattern_value(module, "r", "rank_pattern", module.rank or 1))
+        if "down" in tensors or module.algorithm != "lora":
             module.alpha = self._alpha(module)
         return module
+
+    def _pattern_value(self, module: AdapterModule, key: str, patterns: str, default: float) -> float:
+        """A peft config value for this module: `key`, overridden by the first matching pattern."""
+        config = self._peft_configs.get(module.component) or {}
+        value = float(config.get(key, default))
+        for pattern, override in (config.get(patterns) or {}).items():
+            if re.match(rf"(.*\.)?({pattern})$", module.name or ""):
+                return float(override)
+        return value
 
     def _alpha(self, module: AdapterModule) -> float:
         """kohya: the `alpha` tensor (absent or 0 means alpha = rank). peft: the LoraConfig in the
         metadata, with alpha_pattern and rsLoRA (scale alpha/√r) as peft applies them."""
+        rank = float(module.rank or 1)
         if "alpha" in module.tensors:
             alpha = float(module.tensors["alpha"])
-            return alpha if alpha != 0 else float(module.rank)
+            return alpha if alpha != 0 else rank
         config = self._peft_configs.get(module.component)
         if not config:
-            return float(module.rank)
-        alpha = float(config.get("lora_alpha", module.rank))
-        for pattern, value in (config.get("alpha_pattern") or {}).items():
-            if re.match(rf"(.*\.)?({pattern})$", module.name or ""):
-                alpha = float(value)
-                break
-        return alpha * math.sqrt(module.rank) if config.get("use_rslora") else alpha
+            return rank
+        alpha = self._pattern_value(module, "lora_alpha" if "lora_alpha" in config else "alpha", "alpha_pattern", rank)
+        return alpha * math.sqrt(rank) if config.get("use_rslora") else alpha
 
 
 def canonical_module_name(file_format: str, name: str) -> str:
@@ -328,7 +393,7 @@ def load_adapter_into(pipe: StableDiffusionXLPipeline, path: str | Path) -> int:
             layer = find_layer(pipe, module)
             if layer is None or not hasattr(layer, "weight"):
                 raise AdapterFileError(f"{path}: module {module.label} is not a layer of this model")
-            if "down" not in module.tensors or "up" not in module.tensors:
+            if module.algorithm == "lora" and ("down" not in module.tensors or "up" not in module.tensors):
                 raise AdapterFileError(f"{path}: module {module.label} lacks its lora_down or lora_up tensor")
             with torch.no_grad():
                 layer.weight.copy_(merged_weight(layer.weight, module).to(layer.weight.dtype))
@@ -337,8 +402,8 @@ def load_adapter_into(pipe: StableDiffusionXLPipeline, path: str | Path) -> int:
 
 
 def _trainer_files(folder: Path) -> list[Path]:
-    peft = folder / DIFFUSERS_WEIGHT_NAME
-    return ([peft] if peft.is_file() else []) + sorted(folder.glob("*" + KOHYA_SUFFIX))
+    peft = [folder / name for name in (DIFFUSERS_WEIGHT_NAME, PEFT_WEIGHT_NAME) if (folder / name).is_file()]
+    return peft + sorted(folder.glob("*" + KOHYA_SUFFIX))
 
 
 def _detect(keys: list[str], path: Path) -> tuple[str, str]:

@@ -57,7 +57,8 @@ def identity(config: Config) -> dict[str, Any]:
         "adapter.targets": adapter.targets, "adapter.conv_rank": adapter.conv_rank,
         "adapter.conv_alpha": adapter.conv_alpha, "precision": config.precision,
         "optimizer.type": config.optimizer.type,
-    }
+    } | ({"adapter.lokr_factor": adapter.lokr_factor, "adapter.lokr_decompose_both": adapter.lokr_decompose_both}
+         if adapter.type == "lokr" else {})  # only then: states saved before these keys existed still match
 
 
 def soft_settings(config: Config, data_plan, total_steps: int) -> dict[str, Any]:
@@ -213,16 +214,16 @@ def resolve_resume(config: Config) -> tuple[Path, Path] | None:
 def check_resume_weights(folder: Path, config: Config) -> None:
     """The weights a resume loads are there and complete: a truncated file is found at pre-flight,
     not after the latent cache is built."""
-    from .adapters import DIFFUSERS_WEIGHT_NAME
+    from .adapters import weight_file_name
     from .models import require_pipeline_folder
     from .safetensors_header import read_header
 
     if config.adapter.type == "none":
         require_pipeline_folder(folder, "training.resume_from")
         return
-    weights = folder / DIFFUSERS_WEIGHT_NAME
+    weights = folder / weight_file_name(config.adapter.type)
     if not weights.is_file():
-        raise ConfigError(f"training.resume_from = {str(folder)!r}: no {DIFFUSERS_WEIGHT_NAME} in it")
+        raise ConfigError(f"training.resume_from = {str(folder)!r}: no {weights.name} in it")
     try:
         read_header(weights)
     except ValueError as exc:

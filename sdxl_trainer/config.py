@@ -86,8 +86,9 @@ class ModelConfig(Section):
 
 # ------------------------------------------------------------------------------------- adapter
 class AdapterConfig(Section):
-    type: Literal["dora", "lora", "none"] = Field(
-        "dora", description='Adapter kind; `"none"` = full fine-tune of the selected components.'
+    type: Literal["dora", "lora", "lokr", "loha", "none"] = Field(
+        "dora", description='Adapter kind: `dora`, `lora`, LyCORIS\'s `lokr` (Kronecker product) and `loha` '
+        '(Hadamard product), or `"none"` = full fine-tune of the selected components.'
     )
     rank: PositiveInt = Field(16, description="Adapter rank.")
     alpha: float = Field(16.0, gt=0.0, description="Adapter alpha (scale = alpha / rank).")
@@ -100,6 +101,20 @@ class AdapterConfig(Section):
     )
     conv_rank: PositiveInt | None = Field(None, description="Rank for convolution targets (default: rank).")
     conv_alpha: float | None = Field(None, gt=0.0, description="Alpha for convolution targets (default: alpha).")
+    lokr_factor: int = Field(
+        -1, description="LoKr: split each dimension n into f x n/f for the Kronecker factors (LyCORIS's `factor`); "
+        "-1 = as square as possible.")
+    lokr_decompose_both: bool = Field(
+        False, description="LoKr: factor the small Kronecker matrix into two rank-`rank` matrices too (LyCORIS's "
+        "`decompose_both`); the large one always is, where `rank` is below half its size.")
+
+    @model_validator(mode="after")
+    def _dropout_is_lora_only(self) -> AdapterConfig:
+        if self.type in ("lokr", "loha") and self.dropout:
+            raise ValueError(f"adapter.dropout is LoRA's input dropout; {self.type} has none (set 0)")
+        if self.lokr_factor == 0 or self.lokr_factor < -1:
+            raise ValueError(f"adapter.lokr_factor must be -1 or a positive integer, not {self.lokr_factor}")
+        return self
 
     @field_validator("targets")
     @classmethod

@@ -23,7 +23,7 @@ from .adapters import save_diffusers_adapter
 from .atomic import reported_write_failures
 from .config import Config, ConfigError
 from .finite import check_finite
-from .kohya_format import lora_layers, save_kohya_adapter
+from .kohya_format import adapter_layers, save_kohya_adapter
 from .models import with_components
 
 if TYPE_CHECKING:
@@ -127,7 +127,7 @@ def merged_copy(module: torch.nn.Module) -> torch.nn.Module:
         is_parameter = isinstance(tensor, torch.nn.Parameter)
         on_cpu[id(tensor)] = torch.nn.Parameter(data, requires_grad=False) if is_parameter else data
     merged = copy.deepcopy(module, on_cpu)
-    for name, layer in lora_layers(merged):
+    for name, layer in adapter_layers(merged):
         layer.merge()
         parent, _, child = name.rpartition(".")
         setattr(merged.get_submodule(parent), child, layer.get_base_layer())

@@ -2,9 +2,14 @@
 load (docs/formats.md, 'Adapter files: kohya/LyCORIS').
 
 Each adapted layer becomes a group of tensors named `lora_<unet|te1|te2>_<module path with _>`:
-`lora_down.weight` (peft's lora_A), `lora_up.weight` (lora_B), a 0-dim `alpha` (so that kohya's
-scale alpha/r equals peft's) and, for DoRA, `dora_scale` (peft's magnitude) on the output axis,
-which LyCORIS >= 3.2 merges exactly as peft does.
+- LoRA/DoRA: `lora_down.weight` (peft's lora_A), `lora_up.weight` (lora_B), a 0-dim `alpha` (so
+  that kohya's scale alpha/r equals peft's) and, for DoRA, `dora_scale` (peft's magnitude) on the
+  output axis, which LyCORIS >= 3.2 merges exactly as peft does;
+- LoKr: `lokr_w1` or `lokr_w1_a`/`lokr_w1_b`, `lokr_w2` or `lokr_w2_a`/`lokr_w2_b`, `alpha`:
+  ΔW = kron(w1, w2)·alpha/r. The loaders take r from a decomposed factor; with neither decomposed
+  they use scale 1, so there peft's alpha/r is multiplied into `lokr_w2`;
+- LoHa: `hada_w1_a`, `hada_w1_b`, `hada_w2_a`, `hada_w2_b`, `alpha`:
+  ΔW = (w1_a@w1_b)⊙(w2_a@w2_b)·alpha/r, r = the rows of `hada_w1_b`.
 """
 
 from __future__ import annotations
@@ -57,7 +62,7 @@ def save_kohya_adapter(
     tensors: dict[str, torch.Tensor] = {}
     layers = []
     for component, module in components.items():
-        for module_path, layer in lora_layers(module):
+        for module_path, layer in adapter_layers(module):
             tensors.update(_layer_tensors(kohya_module_name(component, module_path, unet_config), layer))
             layers.append(layer)
     if not layers:
@@ -69,14 +74,51 @@ def save_kohya_adapter(
     return destination
 
 
-def lora_layers(module: torch.nn.Module) -> list[tuple[str, Any]]:
-    """(module path, peft LoraLayer) of every adapted layer of `module`."""
-    from peft.tuners.lora import LoraLayer
+def adapter_layers(module: torch.nn.Module) -> list[tuple[str, Any]]:
+    """(module path, peft adapter layer: LoRA, LoKr or LoHa) of every adapted layer of `module`."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
 
-    return [(name, layer) for name, layer in module.named_modules() if isinstance(layer, LoraLayer)]
+    return [(name, layer) for name, layer in module.named_modules() if isinstance(layer, BaseTunerLayer)]
 
 
 def _layer_tensors(name: str, layer: Any) -> dict[str, torch.Tensor]:
+    from peft.tuners.loha import LoHaLayer
+    from peft.tuners.lokr import LoKrLayer
+
+    if isinstance(layer, LoKrLayer):
+        tensors = _lokr_tensors(name, layer)
+    elif isinstance(layer, LoHaLayer):
+        tensors = {f"{name}.{part}": getattr(layer, part)[ADAPTER]
+                   for part in ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")}
+        tensors[f"{name}.alpha"] = _scalar(layer.alpha[ADAPTER])
+    else:
+        tensors = _lora_tensors(name, layer)
+    return {key: tensor.detach().float().cpu().contiguous() for key, tensor in tensors.items()}
+
+
+def _scalar(value: float) -> torch.Tensor:
+    import torch
+
+    return torch.tensor(float(value))
+
+
+def _lokr_tensors(name: str, layer: Any) -> dict[str, torch.Tensor]:
+    """peft's factors under LyCORIS's names; alpha/r folded into a full `lokr_w2` where nothing
+    is decomposed (the loaders then apply no scale)."""
+    if layer.lokr_t2:
+        raise ValueError(f"{name}: LoKr's Tucker-decomposed convolutions (use_effective_conv2d) are not exported")
+    tensors = {f"{name}.{part}": getattr(layer, part)[ADAPTER] for part in
+               ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")
+               if ADAPTER in getattr(layer, part)}
+    if ADAPTER in layer.lokr_w1 and ADAPTER in layer.lokr_w2:
+        tensors[f"{name}.lokr_w2"] = tensors[f"{name}.lokr_w2"] * layer.scaling[ADAPTER]
+        tensors[f"{name}.alpha"] = _scalar(1.0)
+    else:
+        tensors[f"{name}.alpha"] = _scalar(layer.alpha[ADAPTER])
+    return tensors
+
+
+def _lora_tensors(name: str, layer: Any) -> dict[str, torch.Tensor]:
     import torch
 
     tensors = {
@@ -90,26 +132,34 @@ def _layer_tensors(name: str, layer: Any) -> dict[str, torch.Tensor]:
         # shape: [out, 1] / [out, 1, 1, 1] is the output axis; a 1-D scale breaks ComfyUI.
         magnitude = layer.lora_magnitude_vector[ADAPTER].weight
         tensors[f"{name}.dora_scale"] = magnitude.reshape(base.shape[0], *[1] * (base.dim() - 1))
-    return {key: tensor.detach().float().cpu().contiguous() for key, tensor in tensors.items()}
+    return tensors
 
 
 def _metadata(module: torch.nn.Module, layers: list[Any], title: str) -> dict[str, str]:
     """kohya's `ss_*` keys (A1111 reads `ss_base_model_version` to file the LoRA under SDXL) and
-    modelspec, all strings. DoRA is declared as LyCORIS's, with its output axis."""
+    modelspec, all strings. DoRA (with its output axis), LoKr and LoHa are declared as LyCORIS's."""
     import torch
 
     config = module.peft_config[ADAPTER]
+    algo = config.peft_type.value.lower()  # lora, lokr or loha
+    alpha = config.lora_alpha if algo == "lora" else config.alpha
     network_args = {}
-    if config.use_dora:
+    if algo == "lora" and config.use_dora:
         network_args = {"algo": "lora", "dora_wd": "True", "wd_on_output": "True"}
+    elif algo == "lokr":
+        network_args = {"algo": "lokr", "factor": str(config.decompose_factor),
+                        "decompose_both": str(config.decompose_both)}
+    elif algo == "loha":
+        network_args = {"algo": "loha"}
     convs = [layer for layer in layers if isinstance(layer.get_base_layer(), torch.nn.Conv2d)]
     if convs:
         network_args["conv_dim"] = str(convs[0].r[ADAPTER])
-        network_args["conv_alpha"] = f"{convs[0].lora_alpha[ADAPTER]:g}"
+        conv_alpha = convs[0].lora_alpha[ADAPTER] if algo == "lora" else convs[0].alpha[ADAPTER]
+        network_args["conv_alpha"] = f"{conv_alpha:g}"
     metadata = {
-        "ss_network_module": "lycoris.kohya" if config.use_dora else "networks.lora",
+        "ss_network_module": "lycoris.kohya" if network_args.get("algo") else "networks.lora",
         "ss_network_dim": str(config.r),
-        "ss_network_alpha": f"{config.lora_alpha:g}",
+        "ss_network_alpha": f"{alpha:g}",
         "ss_base_model_version": "sdxl_base_v1-0",
         "ss_v2": "False",
         "modelspec.sai_model_spec": "1.0.0",

@@ -256,7 +256,7 @@ def setup_models(config: Config, plan: RunPlan, precision: PrecisionPlan, accele
     caches are usually local disks, and on a shared one the writes are atomic and identical."""
     from safetensors.torch import load_file
 
-    from .adapters import DIFFUSERS_WEIGHT_NAME, load_adapter_weights
+    from .adapters import load_adapter_weights, weight_file_name
     from .attention import set_attention
     from .data import build_latent_cache
     from .diffusion import make_noise_scheduler
@@ -285,7 +285,7 @@ def setup_models(config: Config, plan: RunPlan, precision: PrecisionPlan, accele
         accelerator.print(f"latent cache: {hits} hits, {built} encoded now")
     trainable = prepare_trainable(pipe, config)
     if resume_folder and trainable.is_adapter:
-        tensors = load_file(resume_folder / DIFFUSERS_WEIGHT_NAME)
+        tensors = load_file(resume_folder / weight_file_name(config.adapter.type))
         for name, module in trainable.modules.items():
             load_adapter_weights(module, name, tensors)
     cast_trained_parameters(trainable.modules, precision)

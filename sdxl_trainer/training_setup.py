@@ -20,7 +20,7 @@ class Trainable:
 
     modules: dict[str, torch.nn.Module]
     learning_rates: dict[str, float]
-    adapter_type: str  # "dora", "lora" or "none"
+    adapter_type: str  # "dora", "lora", "lokr", "loha" or "none"
 
     @property
     def is_adapter(self) -> bool:

@@ -385,9 +385,9 @@ def test_magnitude_outliers_are_clamped_only_when_asked(run_output: Path, tmp_pa
 def test_unreadable_input_exits_2_with_one_line(tmp_path: Path, tiny_sdxl_dir: Path, capsys) -> None:
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
     (tmp_path / "model.ckpt").write_bytes(b"pickle")
-    save_file({"lora_unet_x.hada_w1_a": torch.zeros(2, 2)}, tmp_path / "loha.safetensors")
+    save_file({"lora_unet_x.oft_blocks": torch.zeros(2, 2)}, tmp_path / "oft.safetensors")  # LyCORIS's OFT
     for path in (tmp_path / "missing", tmp_path / "junk.safetensors", tmp_path / "model.ckpt", tmp_path,
-                 tmp_path / "loha.safetensors", tiny_sdxl_dir / "unet" / "diffusion_pytorch_model.safetensors"):
+                 tmp_path / "oft.safetensors", tiny_sdxl_dir / "unet" / "diffusion_pytorch_model.safetensors"):
         for main in (debug_dora_weights.main, fix_dora_weights.main):
             assert main(["--weights_path", str(path)]) == 2
             error = capsys.readouterr().err.strip()

@@ -22,7 +22,7 @@ from safetensors import safe_open
 import converttosdxl
 from sdxl_trainer.config import ConfigError, validate_config
 from sdxl_trainer.export import ExportError, check_export, export_after_training, merged_copy
-from sdxl_trainer.kohya_format import kohya_module_name, lora_layers, merged_weight
+from sdxl_trainer.kohya_format import adapter_layers, kohya_module_name, merged_weight
 from sdxl_trainer.models import load_pipeline
 from sdxl_trainer.sgm_keys import KeyMapError
 from sdxl_trainer.training_setup import Trainable, prepare_trainable
@@ -119,7 +119,7 @@ def test_peft_file_fuses_in_diffusers_to_the_trained_merged_weights_exactly(
     assert _differences(pipe, run.merged) == {"unet": 0.0, "text_encoder": 0.0, "text_encoder_2": 0.0}
     # Not vacuous: every adapted weight differs from its base weight.
     for name, module in run.trainable.modules.items():
-        unchanged = [path for path, layer in lora_layers(module)
+        unchanged = [path for path, layer in adapter_layers(module)
                      if torch.equal(run.merged[name][f"{path}.weight"], layer.get_base_layer().weight)]
         assert not unchanged, f"{name}: {unchanged[:3]}"
 
@@ -175,7 +175,7 @@ def test_kohya_file_holds_every_adapted_module_with_kohya_shapes_and_metadata(
     unet_config = run.trainable.modules["unet"].config
     expected_keys = set()
     for component, module in run.trainable.modules.items():
-        for path, layer in lora_layers(module):
+        for path, layer in adapter_layers(module):
             name = kohya_module_name(component, path, unet_config)
             base = layer.get_base_layer().weight
             is_conv = base.dim() == 4
@@ -227,7 +227,7 @@ def _kohya_modules(run: SimpleNamespace):
         tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
     unet_config = run.trainable.modules["unet"].config
     for component, module in run.trainable.modules.items():
-        for path, layer in lora_layers(module):
+        for path, layer in adapter_layers(module):
             name = kohya_module_name(component, path, unet_config)
             parts = [tensors[f"{name}.{part}"] for part in KOHYA_PARTS]
             yield name, layer.get_base_layer(), parts, run.merged[component][f"{path}.weight"]

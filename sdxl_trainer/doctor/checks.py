@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..adapter_files import KOHYA, AdapterModule, canonical_key, channel_norms
+from ..adapter_files import KOHYA, AdapterFileError, AdapterModule, canonical_key, channel_norms
 
 if TYPE_CHECKING:
     import torch
@@ -36,6 +36,12 @@ NAMES = "leftover names"
 UNUSABLE = "unusable module"
 # Damage an earlier checkpoint's copy of the module can replace (shape and names are rewritten,
 # a zero-norm row is the base model's).
+# Per algorithm, the factors a module needs (each: one of these roles).
+REQUIRED = {
+    "lora": [("down",), ("up",)],
+    "lokr": [("lokr_w1", "lokr_w1_b"), ("lokr_w2", "lokr_w2_b")],
+    "loha": [("hada_w1_a",), ("hada_w1_b",), ("hada_w2_a",), ("hada_w2_b",)],
+}
 RESTORABLE = {NON_FINITE, MAGNITUDE_NON_FINITE, ZERO_MAGNITUDE, OUTLIER, FP16_OVERFLOW, UNUSABLE}
 
 
@@ -56,7 +62,8 @@ def check_module(module: AdapterModule, base: BaseWeights | None) -> list[Findin
     renamed = renames(module)
     if renamed:
         findings.append(Finding(NAMES, "; ".join(f"{old} should be {new}" for old, new in renamed.items())))
-    counts = {role: non_finite(module.tensors[role]) for role in ("down", "up", "alpha") if role in module.tensors}
+    counts = {role: non_finite(module.tensors[role]) for role in [*module.factor_roles, "alpha"]
+              if role in module.tensors}
     broken = {role: count for role, count in counts.items() if count}
     if broken:
         findings.append(Finding(NON_FINITE, ", ".join(
@@ -74,19 +81,28 @@ def check_module(module: AdapterModule, base: BaseWeights | None) -> list[Findin
 
 def _unusable(module: AdapterModule, base: BaseWeights | None) -> str | None:
     """Why no loader can use this module at all, if so."""
-    missing = [role for role in ("down", "up") if role not in module.tensors]
+    missing = [role for role in REQUIRED[module.algorithm] if not any(part in module.tensors for part in role)]
     if missing:
-        return f"no {' and no '.join(missing)} tensor"
-    down, up = module.down, module.up
-    if down.dim() not in (2, 4) or up.dim() != down.dim() or up.shape[1] != down.shape[0]:
-        return f"down {list(down.shape)} and up {list(up.shape)} do not form a LoRA pair"
+        return f"no {' and no '.join(' or '.join(role) for role in missing)} tensor"
+    if module.algorithm == "lora":
+        down, up = module.down, module.up
+        if down.dim() not in (2, 4) or up.dim() != down.dim() or up.shape[1] != down.shape[0]:
+            return f"down {list(down.shape)} and up {list(up.shape)} do not form a LoRA pair"
+        update = [module.out_features, *down.shape[1:]]
+    else:
+        try:
+            update = list(module.flat_delta().shape)
+        except (RuntimeError, AdapterFileError) as exc:
+            return f"its {module.algorithm} factors do not multiply: {exc}"
     if base is None:
         return None
     weight = base.weight(module)
     if weight is None:
         return f"the base model {base.model_id} has no layer {module.name or module.file_name}"
-    if tuple(weight.shape) != (module.out_features, *down.shape[1:]):
-        return f"update {[module.out_features, *down.shape[1:]]} does not fit the base weight {list(weight.shape)}"
+    fits = tuple(weight.shape) == tuple(update) if module.algorithm == "lora" else (
+        weight.shape[0] == update[0] and weight[0].numel() == update[1])
+    if not fits:
+        return f"update {update} does not fit the base weight {list(weight.shape)}"
     return None
 
 
@@ -106,7 +122,11 @@ def non_finite(tensor: torch.Tensor) -> int:
 
 
 def update_reach(module: AdapterModule) -> float:
-    """The largest factor value or the bound s·max‖up_i‖·max‖down_j‖ on any entry of ΔW."""
+    """The largest factor value or the bound s·max‖up_i‖·max‖down_j‖ on any entry of ΔW (LoKr,
+    LoHa: the largest entry of ΔW itself, which is one layer's size)."""
+    if module.algorithm != "lora":
+        largest_factor = max(float(module.tensors[role].float().abs().max()) for role in module.factor_roles)
+        return max(largest_factor, float((module.flat_delta() * module.scale).abs().max()))
     down, up = module.down.float().flatten(1), module.up.float().flatten(1)
     bound = abs(module.scale) * float(up.norm(dim=1).max()) * float(down.norm(dim=0).max())
     return max(float(down.abs().max()), float(up.abs().max()), bound)

@@ -139,15 +139,15 @@ def _zero_broken_update(module: AdapterModule, options: RepairOptions) -> str | 
     """NaN/Inf or fp16-overflowing factors: ΔW := 0, and for DoRA m := ‖W‖, so W' = W exactly."""
     import torch
 
-    factors = [module.tensors[role] for role in ("down", "up", "alpha") if role in module.tensors]
+    factors = [module.tensors[role] for role in [*module.factor_roles, "alpha"] if role in module.tensors]
     if all(torch.isfinite(tensor).all() for tensor in factors) and update_reach(module) <= FP16_LIMIT:
         return None
     if module.magnitude is not None and options.base is None:
         raise _Removed(NEEDS_BASE)
-    module.tensors["down"] = torch.zeros_like(module.down)
-    module.tensors["up"] = torch.zeros_like(module.up)
+    for role in module.factor_roles:  # every factor: each product (kron, ⊙, @) is then 0
+        module.tensors[role] = torch.zeros_like(module.tensors[role])
     if not math.isfinite(module.alpha):
-        module.alpha = float(module.rank)
+        module.alpha = float(module.rank or 1)
         module.tensors["alpha"] = torch.tensor(module.alpha)
     if module.magnitude is None:
         return "update zeroed (NaN/Inf or beyond fp16): the module falls back to the base weight"

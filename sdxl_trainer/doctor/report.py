@@ -115,10 +115,10 @@ def analyse_module(module: AdapterModule, base: BaseWeights | None) -> ModuleRep
         values = values[values.isfinite()]
         if values.numel():
             ratio = (float(values.min()), float(values.max()))
-    rank = module.rank if "down" in module.tensors else None
+    rank = module.rank if usable or "down" in module.tensors else None
+    kind = {"lokr": "LoKr", "loha": "LoHa"}.get(module.algorithm, "DoRA" if module.magnitude is not None else "LoRA")
     return ModuleReport(
-        label=module.label, file_name=module.file_name, component=module.component,
-        kind="DoRA" if module.magnitude is not None else "LoRA", rank=rank,
+        label=module.label, file_name=module.file_name, component=module.component, kind=kind, rank=rank,
         alpha=module.alpha if rank and math.isfinite(module.alpha) else None,
         dtypes=sorted({str(tensor.dtype).removeprefix("torch.") for tensor in module.tensors.values()}),
         shapes={role: list(tensor.shape) for role, tensor in module.tensors.items()},

@@ -1,0 +1,179 @@
+"""LoKr and LoHa: trained through peft, exported in LyCORIS's key format, judged by LyCORIS's own
+modules (its merge of our file must equal peft's merged weight), named as ComfyUI's SDXL key map
+names them, merged exactly into the single file, resumed bit-exactly, and read by the doctor."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import debug_dora_weights
+import fix_dora_weights
+import train_sdxl
+from sdxl_trainer.adapters import PEFT_WEIGHT_NAME, load_adapter_weights
+from sdxl_trainer.config import validate_config
+from sdxl_trainer.kohya_format import adapter_layers, kohya_module_name
+from sdxl_trainer.models import load_pipeline
+from sdxl_trainer.training_setup import prepare_trainable
+from tests.helpers import tiny_config, write_config
+from tests.test_export import _config_only_copy, _from_single_file
+
+SETTINGS = {"rank": 4, "alpha": 8, "targets": "all", "conv_rank": 2, "conv_alpha": 3}
+
+
+def lycoris_config(tmp_path: Path, kind: str, **training) -> dict:
+    config = tiny_config(tmp_path, adapter={"type": kind, **SETTINGS},
+                         training={"num_steps": 3, "lr_text_encoder_2": 1e-3, **training},
+                         export={"save_single_file": True, "merge_adapter": True, "half_precision": False,
+                                 "adapter_formats": ["diffusers", "kohya"]})
+    config["model"]["train_text_encoder_2"] = True
+    return config
+
+
+@pytest.fixture(scope="module", params=["lokr", "loha"])
+def trained(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+            tiny_sdxl_dir: Path) -> SimpleNamespace:
+    """A 3-step run of each kind on UNet (attention, MLP and convolutions) and both text encoders,
+    and its adapters rebuilt in peft from the peft file."""
+    kind = request.param
+    tmp_path = tmp_path_factory.mktemp(kind)
+    config = lycoris_config(tmp_path, kind)
+    assert train_sdxl.main(["--config", str(write_config(tmp_path / "c.json", config))]) == 0
+    output = tmp_path / "out" / "test_run"
+    pipe = load_pipeline(validate_config(config).model)
+    trainable = prepare_trainable(pipe, validate_config(config))
+    tensors = load_file(output / PEFT_WEIGHT_NAME)
+    for name, module in trainable.modules.items():
+        load_adapter_weights(module, name, tensors)
+    return SimpleNamespace(kind=kind, tmp_path=tmp_path, output=output, trainable=trainable,
+                           kohya=load_file(output / "test_run_kohya.safetensors"))
+
+
+def peft_layers(trained: SimpleNamespace):
+    unet_config = trained.trainable.modules["unet"].config
+    for component, module in trained.trainable.modules.items():
+        for path, layer in adapter_layers(module):
+            yield kohya_module_name(component, path, unet_config), layer
+
+
+def test_lycoris_applies_our_file_as_peft_merged_weights(trained: SimpleNamespace) -> None:
+    """Each module of our file, loaded by LyCORIS's own LokrModule/LohaModule and run forward,
+    gives the output of the layer with peft's merged weight. (The forward, not LyCORIS 4.1.3's
+    `get_merged_weight`, which multiplies LoKr's scale in twice; its forward and ComfyUI apply it
+    once.)"""
+    lokr, loha = pytest.importorskip("lycoris.modules.lokr"), pytest.importorskip("lycoris.modules.loha")
+    checked, changed, full_kron = set(), 0, 0
+    inputs = torch.Generator().manual_seed(0)
+    for name, layer in peft_layers(trained):
+        base = layer.get_base_layer()
+        with torch.no_grad():
+            expected = base.weight.float() + layer.get_delta_weight("default").float()
+        part = {key.removeprefix(name + "."): value for key, value in trained.kohya.items()
+                if key.startswith(name + ".")}
+        with torch.no_grad():
+            if trained.kind == "lokr":
+                full_kron += "lokr_w1" in part and "lokr_w2" in part
+                judge = lokr.LokrModule.make_module_from_state_dict(
+                    name, copy.deepcopy(base), part.get("lokr_w1"), part.get("lokr_w1_a"), part.get("lokr_w1_b"),
+                    part.get("lokr_w2"), part.get("lokr_w2_a"), part.get("lokr_w2_b"), None, None, part["alpha"], None)
+            else:
+                judge = loha.LohaModule.make_module_from_state_dict(
+                    name, copy.deepcopy(base), part["hada_w1_a"], part["hada_w1_b"], part["hada_w2_a"],
+                    part["hada_w2_b"], None, None, part["alpha"], None)
+            judge.apply_to()  # the copy of the base layer now runs LyCORIS's forward
+            x = torch.randn(2, *([base.in_channels, 8, 8] if isinstance(base, torch.nn.Conv2d)
+                                 else [base.in_features]), generator=inputs)
+            got = judge.org_module[0](x)
+            want = base._conv_forward(x, expected, base.bias) if isinstance(base, torch.nn.Conv2d) else \
+                torch.nn.functional.linear(x, expected, base.bias)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda text, name=name: f"{name}: {text}")
+        changed += not torch.equal(expected, base.weight.float())
+        checked.add((name.split("_")[1], type(base)))
+    assert {("unet", torch.nn.Linear), ("unet", torch.nn.Conv2d), ("te1", torch.nn.Linear),
+            ("te2", torch.nn.Linear)} <= checked
+    assert changed > len(list(peft_layers(trained))) // 2  # trained: most updates moved off zero
+    if trained.kind == "lokr":  # both ways of storing the scale are covered
+        assert 0 < full_kron < len(list(peft_layers(trained)))
+
+
+def test_key_names_are_the_ones_comfyuis_sdxl_key_map_gives(trained: SimpleNamespace) -> None:
+    """ComfyUI (comfy/lora.py `model_lora_keys_unet/clip`) maps `lora_unet_<sgm path with _>`,
+    `lora_te1_text_model_…` (CLIP-L) and `lora_te2_text_model_…` (bigG); per module it reads
+    `lokr_w1`|`lokr_w1_a`+`lokr_w1_b`, `lokr_w2`|`lokr_w2_a`+`lokr_w2_b` or the four `hada_*`,
+    and `alpha`."""
+    modules = {key.rsplit(".", 1)[0] for key in trained.kohya}
+    for pinned in ("lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q",
+                   "lora_unet_input_blocks_7_1_transformer_blocks_1_ff_net_2",
+                   "lora_unet_input_blocks_1_0_in_layers_2", "lora_unet_input_blocks_1_0_emb_layers_1",
+                   "lora_unet_input_blocks_3_0_op", "lora_unet_middle_block_1_proj_in",
+                   "lora_unet_output_blocks_0_0_skip_connection", "lora_unet_output_blocks_2_2_conv",
+                   "lora_te1_text_model_encoder_layers_0_self_attn_q_proj",
+                   "lora_te1_text_model_encoder_layers_1_mlp_fc2",
+                   "lora_te2_text_model_encoder_layers_0_self_attn_out_proj"):
+        assert pinned in modules, pinned
+    parts = {key.rsplit(".", 1)[1] for key in trained.kohya}
+    if trained.kind == "loha":
+        assert parts == {"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "alpha"}
+    else:
+        assert parts <= {"lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "alpha"}
+    assert len(modules) == len(list(peft_layers(trained)))
+
+
+def test_the_merged_single_file_is_the_base_plus_pefts_deltas(trained: SimpleNamespace, tiny_sdxl_dir: Path) -> None:
+    config_dir = _config_only_copy(tiny_sdxl_dir, trained.tmp_path / "config-only")
+    single = _from_single_file(trained.tmp_path / "out" / "safetensors" / "test_run.safetensors", config_dir)
+    compared = 0
+    for component, module in trained.trainable.modules.items():
+        weights = getattr(single, component).state_dict()
+        for path, layer in adapter_layers(module):
+            with torch.no_grad():
+                expected = layer.get_base_layer().weight.float() + layer.get_delta_weight("default").float()
+            key = f"{path}.weight" if component == "unet" or f"{path}.weight" in weights else \
+                f"{path.removeprefix('text_model.')}.weight"
+            assert torch.equal(weights[key].float(), expected), f"{component}.{path}"
+            compared += 1
+    assert compared == len(list(peft_layers(trained)))
+
+
+def test_a_lokr_run_resumes_bit_exactly(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
+    straight = lycoris_config(tmp_path / "straight", "lokr", num_steps=6, checkpoint_every=3)
+    assert train_sdxl.main(["--config", str(write_config(tmp_path / "s.json", straight))]) == 0
+    first = lycoris_config(tmp_path / "split", "lokr", num_steps=3, checkpoint_every=3)
+    path = write_config(tmp_path / "p.json", first)
+    assert train_sdxl.main(["--config", str(path)]) == 0
+    output = tmp_path / "split" / "out" / "test_run"
+    assert train_sdxl.main(["--config", str(path), "--set", "training.num_steps=6",
+                            "--set", f"training.resume_from={output}"]) == 0
+    expected = load_file(tmp_path / "straight" / "out" / "test_run" / PEFT_WEIGHT_NAME)
+    got = load_file(output / PEFT_WEIGHT_NAME)
+    assert expected.keys() == got.keys() and all(torch.equal(expected[key], got[key]) for key in expected)
+
+
+def test_the_doctor_reads_checks_and_repairs_lycoris_files(trained: SimpleNamespace, tmp_path: Path) -> None:
+    path = trained.output / "test_run_kohya.safetensors"
+    report = tmp_path / "report.json"
+    assert debug_dora_weights.main(["--weights_path", str(path), "--json", str(report)]) == 0
+    modules = json.loads(report.read_text())["files"][0]["modules"]
+    assert {module["kind"] for module in modules} == {"LoKr" if trained.kind == "lokr" else "LoHa"}
+    assert not any(module["findings"] for module in modules)
+    broken = dict(trained.kohya)
+    victim = next(key for key in broken if key.endswith((".lokr_w2", ".lokr_w2_b", ".hada_w2_b")))
+    broken[victim] = broken[victim].clone()
+    broken[victim].view(-1)[0] = float("nan")
+    save_file(broken, tmp_path / "broken.safetensors")
+    assert debug_dora_weights.main(["--weights_path", str(tmp_path / "broken.safetensors"),
+                                    "--json", str(report)]) == 1
+    damaged = [module for module in json.loads(report.read_text())["files"][0]["modules"] if module["findings"]]
+    assert [module["file_name"] for module in damaged] == [victim.rsplit(".", 1)[0]]
+    assert fix_dora_weights.main(["--weights_path", str(tmp_path / "broken.safetensors"),
+                                  "--output", str(tmp_path / "fixed.safetensors")]) == 0
+    fixed = load_file(tmp_path / "fixed.safetensors")
+    module = victim.rsplit(".", 1)[0]
+    assert all(not fixed[key].any() for key in fixed if key.startswith(module + ".") and not key.endswith("alpha"))
+    assert all(torch.equal(fixed[key], trained.kohya[key]) for key in fixed if not key.startswith(module + "."))
