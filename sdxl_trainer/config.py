@@ -111,9 +111,9 @@ class AdapterConfig(Section):
     @model_validator(mode="after")
     def _dropout_is_lora_only(self) -> AdapterConfig:
         if self.type in ("lokr", "loha") and self.dropout:
-            raise ValueError(f"adapter.dropout is LoRA's input dropout; {self.type} has none (set 0)")
+            raise _KeyError("adapter.dropout", f"is LoRA's input dropout; {self.type} has none (set 0)")
         if self.lokr_factor == 0 or self.lokr_factor < -1:
-            raise ValueError(f"adapter.lokr_factor must be -1 or a positive integer, not {self.lokr_factor}")
+            raise _KeyError("adapter.lokr_factor", f"must be -1 or a positive integer, not {self.lokr_factor}")
         return self
 
     @field_validator("targets")
@@ -189,6 +189,33 @@ class TrainingConfig(Section):
     )
     seed: int | None = Field(None, ge=0, description="Fixes all RNGs; `null` or `0` = a random seed, logged.")
     noise_offset: float = Field(0.0, ge=0.0, description="Offset-noise strength (e.g. 0.1).")
+    noise_offset_random_strength: bool = Field(
+        False, description="Draw each image's offset strength uniformly in [0, `noise_offset`) (kohya's option).")
+    multires_noise_iterations: int = Field(
+        0, ge=0, description="Multires (pyramid) noise octaves added to the noise (kohya's; e.g. 6); 0 = off.")
+    multires_noise_discount: float = Field(
+        0.3, gt=0.0, le=1.0, description="Weight of octave i: discount^i; the sum is renormalised to unit variance.")
+    ip_noise_gamma: float = Field(
+        0.0, ge=0.0, description="Input perturbation: the UNet input is noised with noise + gamma·ξ, the target "
+        "keeps the noise (e.g. 0.1); 0 = off.")
+    timestep_sampling: Literal["uniform", "logit_normal", "sigmoid"] = Field(
+        "uniform", description="Timestep distribution: `uniform`; `logit_normal`: sigmoid(mean + std·z) of the "
+        "range; `sigmoid`: the same with mean 0 and std `sigmoid_scale`.")
+    logit_mean: float = Field(0.0, description="`logit_normal` timesteps: mean (0 = centred on the middle timestep).")
+    logit_std: float = Field(1.0, gt=0.0, description="`logit_normal` timesteps: std.")
+    sigmoid_scale: float = Field(1.0, gt=0.0, description="`sigmoid` timesteps: scale of the normal.")
+    min_timestep: int = Field(0, ge=0, lt=1000, description="Smallest timestep trained.")
+    max_timestep: int = Field(1000, gt=0, le=1000, description="Timesteps are below this (exclusive).")
+    loss_type: Literal["l2", "huber", "smooth_l1"] = Field(
+        "l2", description="`l2` (MSE), `huber` (pseudo-Huber: r²/2 near 0, c·|r| far out) or `smooth_l1` "
+        "(r²/(2c) near 0, |r| far out).")
+    huber_c: float = Field(0.1, gt=0.0, le=1.0, description="Huber/smooth-L1 threshold c (its value at the last "
+                           "timestep under a schedule).")
+    huber_schedule: Literal["constant", "exponential", "snr"] = Field(
+        "snr", description="c per timestep as kohya defines it: `constant`; `exponential`: c^(t/T); `snr`: "
+        "(1 − c)/(1 + σ_t)² + c.")
+    debiased_estimation: bool = Field(
+        False, description="Weight the loss by 1/√SNR (v-prediction: 1/(SNR + 1)), SNR capped at 1000 (kohya's).")
     min_sigma: float | None = Field(
         None, gt=0.0, description="Clamp small sigmas in the loss weighting only (never the timesteps)."
     )
@@ -204,6 +231,16 @@ class TrainingConfig(Section):
         "abort", description="On a non-finite loss/gradient: abort with a report, or skip the step."
     )
     max_nan_skips: PositiveInt = Field(10, description="Consecutive skipped steps before aborting.")
+
+    @model_validator(mode="after")
+    def _recipes_that_can_work(self) -> TrainingConfig:
+        if self.min_timestep >= self.max_timestep:
+            raise _KeyError("training.min_timestep", f"({self.min_timestep}) must be below training.max_timestep "
+                            f"({self.max_timestep})")
+        if self.debiased_estimation and self.zero_terminal_snr and self.prediction_type != "v_prediction":
+            raise _KeyError("training.debiased_estimation", "weighs by 1/sqrt(SNR), infinite at zero-terminal SNR's "
+                            "last timestep with an epsilon target; use v-prediction or turn one off")
+        return self
     lr_warmup_steps: int = Field(0, ge=0, description="Legacy linear warmup (used when `lr_scheduler` is absent).")
     lr_scheduler: LRSchedulerConfig | None = Field(None, description="LR factor schedule.")
     ema_update_every: PositiveInt = Field(10, description="EMA update interval in steps (after warmup).")

@@ -1,14 +1,35 @@
 """The training loss: latents, conditioning, noise and timesteps (the DDPM forward process), the
-target (epsilon or v-prediction) and its weighting."""
+target (epsilon or v-prediction), the loss function and its weighting.
+
+The recipes of `training.*` beyond plain MSE on uniform timesteps:
+- timesteps `uniform`, `logit_normal` (t = min + (max − min)·sigmoid(mean + std·z), as
+  OneTrainer and SD3 draw them) or `sigmoid` (the same with mean 0 and std `sigmoid_scale`, kohya's),
+  within [`min_timestep`, `max_timestep`);
+- noise: offset noise (optionally of random strength in [0, offset), as kohya's
+  `noise_offset_random_strength`), multires/pyramid noise (kohya's `multires_noise_*`: octaves of
+  upsampled noise at a random scale of 2 to 4 each, weighted discount^i, then divided by its std),
+  input perturbation (Ning et al. 2023: the UNet input is noised with noise + γ·ξ, the target keeps
+  the noise);
+- loss `l2`, `huber` (pseudo-Huber c²(√(1 + (r/c)²) − 1): r²/2 for small residuals, c·|r| for
+  large) or `smooth_l1` (c(√(1 + (r/c)²) − 1)), with c constant or scheduled by timestep as kohya's
+  `huber_schedule` (`exponential`: c^(t/T); `snr`: (1 − c)/(1 + σ_t)² + c); kohya's pseudo-Huber
+  is twice ours, which no optimizer but plain SGD notices;
+- weights: min-SNR and `debiased_estimation` (1/√SNR, v-prediction 1/(SNR + 1), SNR capped at
+  1000), which multiply.
+Every draw comes from the image's own generator, seeded by (seed, image, epoch).
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
     from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionXLPipeline
+
+    from .config import TrainingConfig
 
 
 def make_noise_scheduler(
@@ -23,15 +44,72 @@ def make_noise_scheduler(
     return DDPMScheduler.from_config(scheduler_config, **overrides)
 
 
-def sample_noise(shape: tuple[int, ...], noise_offset: float, generator=None) -> torch.Tensor:
+def sample_noise(shape: tuple[int, ...], noise_offset: float, generator=None,
+                 random_strength: bool = False) -> torch.Tensor:
     """Gaussian noise of `shape` (one image, or a batch), plus offset noise when set: one extra
-    random value per image and channel, constant over height and width."""
+    random value per image and channel, constant over height and width (its strength drawn in
+    [0, noise_offset) with `random_strength`)."""
     import torch
 
     noise = torch.randn(shape, generator=generator)
     if noise_offset:
-        noise = noise + noise_offset * torch.randn((*shape[:-2], 1, 1), generator=generator)
+        strength = noise_offset * torch.rand(1, generator=generator).item() if random_strength else noise_offset
+        noise = noise + strength * torch.randn((*shape[:-2], 1, 1), generator=generator)
     return noise
+
+
+def multires_noise(noise: torch.Tensor, iterations: int, discount: float, generator=None) -> torch.Tensor:
+    """One image's noise [c, h, w] plus `iterations` octaves of coarser noise upsampled
+    (bilinear) to full size, the i-th at a random 1/r^i of the size (r in [2, 4)) weighted
+    discount^i; divided by its standard deviation, so it has unit variance again."""
+    import torch
+
+    channels, height, width = noise.shape
+    noise = noise.clone()
+    for octave in range(1, iterations + 1):
+        scale = (2 + 2 * torch.rand(1, generator=generator).item()) ** octave
+        small_h, small_w = max(1, int(height / scale)), max(1, int(width / scale))
+        coarse = torch.randn((1, channels, small_h, small_w), generator=generator)
+        noise += torch.nn.functional.interpolate(coarse, size=(height, width), mode="bilinear")[0] * discount**octave
+        if small_h == 1 or small_w == 1:
+            break
+    return noise / noise.std()
+
+
+@dataclass(frozen=True)
+class DrawSettings:
+    """What each image's timestep and noise are drawn from (`training.*`)."""
+
+    num_train_timesteps: int = 1000
+    min_timestep: int = 0
+    max_timestep: int | None = None  # exclusive; None = num_train_timesteps
+    timestep_sampling: str = "uniform"
+    logit_mean: float = 0.0
+    logit_std: float = 1.0
+    sigmoid_scale: float = 1.0
+    noise_offset: float = 0.0
+    noise_offset_random_strength: bool = False
+    multires_noise_iterations: int = 0
+    multires_noise_discount: float = 0.3
+    ip_noise_gamma: float = 0.0
+
+    @classmethod
+    def of(cls, training: TrainingConfig, num_train_timesteps: int) -> DrawSettings:
+        names = [name for name in cls.__dataclass_fields__ if name != "num_train_timesteps"]
+        return cls(num_train_timesteps, **{name: getattr(training, name) for name in names})
+
+
+def sample_timestep(settings: DrawSettings, generator) -> torch.Tensor:
+    """One timestep in [min_timestep, max_timestep), shape [1]."""
+    import torch
+
+    low, high = settings.min_timestep, settings.max_timestep or settings.num_train_timesteps
+    if settings.timestep_sampling == "uniform":
+        return torch.randint(low, high, (1,), generator=generator)
+    mean, std = (settings.logit_mean, settings.logit_std) if settings.timestep_sampling == "logit_normal" \
+        else (0.0, settings.sigmoid_scale)
+    fraction = torch.sigmoid(mean + std * torch.randn(1, generator=generator))
+    return (low + (fraction * (high - low)).long()).clamp(max=high - 1)
 
 
 def training_target(
@@ -52,59 +130,122 @@ def snr(scheduler: DDPMScheduler, timesteps: torch.Tensor) -> torch.Tensor:
     return alphas_cumprod / (1.0 - alphas_cumprod)
 
 
-def loss_weights(
-    scheduler: DDPMScheduler, timesteps: torch.Tensor, snr_gamma: float | None, min_sigma: float | None
-) -> torch.Tensor | None:
+@dataclass(frozen=True)
+class LossSettings:
+    """The loss function and its weighting (`training.*`)."""
+
+    snr_gamma: float | None = None
+    min_sigma: float | None = None
+    loss_type: str = "l2"
+    huber_c: float = 0.1
+    huber_schedule: str = "snr"
+    debiased_estimation: bool = False
+
+    @classmethod
+    def of(cls, training: TrainingConfig, min_sigma_on: bool = True) -> LossSettings:
+        """`min_sigma_on`: false until `min_sigma_warmup_steps` have passed."""
+        return cls(training.snr_gamma, training.min_sigma if min_sigma_on else None, training.loss_type,
+                   training.huber_c, training.huber_schedule, training.debiased_estimation)
+
+
+def loss_weights(scheduler: DDPMScheduler, timesteps: torch.Tensor, settings: LossSettings) -> torch.Tensor | None:
     """Per-sample loss weights, or None for a plain mean.
 
     Min-SNR (Hang et al. 2023): weight = min(SNR, γ)/SNR for epsilon targets and
     min(SNR, γ)/(SNR + 1) for v-prediction. `min_sigma` clamps σ from below in this weighting
     only — SNR is capped at 1/min_sigma² — and never changes the timesteps that are trained.
+    Debiased estimation multiplies by 1/√SNR (v-prediction: 1/(SNR + 1)), SNR capped at 1000.
     """
-    if snr_gamma is None:
+    if settings.snr_gamma is None and not settings.debiased_estimation:
         return None
     import torch
 
     ratio = snr(scheduler, timesteps)
-    if min_sigma is not None:
-        ratio = torch.clamp(ratio, max=1.0 / min_sigma**2)
-    clipped = torch.clamp(ratio, max=snr_gamma)
-    if scheduler.config.prediction_type == "v_prediction":
-        return clipped / (ratio + 1.0)
+    v_prediction = scheduler.config.prediction_type == "v_prediction"
+    weights = torch.ones_like(ratio)
+    if settings.debiased_estimation:
+        capped = ratio.clamp(max=1000.0)
+        weights = 1.0 / (capped + 1.0) if v_prediction else 1.0 / capped.sqrt()
+    if settings.snr_gamma is None:
+        return weights
+    if settings.min_sigma is not None:
+        ratio = torch.clamp(ratio, max=1.0 / settings.min_sigma**2)
+    clipped = torch.clamp(ratio, max=settings.snr_gamma)
+    if v_prediction:
+        return weights * clipped / (ratio + 1.0)
     # Zero-terminal-SNR schedules have SNR = 0 at the last step; keep its weight finite.
-    return clipped / ratio.clamp(min=1e-8)
+    return weights * clipped / ratio.clamp(min=1e-8)
+
+
+def huber_c(scheduler: DDPMScheduler, timesteps: torch.Tensor, settings: LossSettings) -> torch.Tensor:
+    """The Huber threshold c of each sample: constant, or kohya's schedules (large for early,
+    noisy timesteps, so those count as MSE; small late ones, robust to outliers)."""
+    import torch
+
+    if settings.huber_schedule == "exponential":
+        decay = -math.log(settings.huber_c) / scheduler.config.num_train_timesteps
+        return torch.exp(-decay * timesteps.float())
+    if settings.huber_schedule == "snr":
+        alphas_cumprod = scheduler.alphas_cumprod.to(timesteps.device)[timesteps].float()
+        sigmas = ((1.0 - alphas_cumprod) / alphas_cumprod) ** 0.5
+        return (1.0 - settings.huber_c) / (1.0 + sigmas) ** 2 + settings.huber_c
+    return torch.full(timesteps.shape, settings.huber_c, device=timesteps.device)
+
+
+def per_sample_loss(prediction: torch.Tensor, target: torch.Tensor, loss_type: str,
+                    threshold: torch.Tensor | None = None) -> torch.Tensor:
+    """The mean over each sample of the elementwise loss, in fp32: r² (`l2`), c²(√(1 + (r/c)²) − 1)
+    (`huber`) or c(√(1 + (r/c)²) − 1) (`smooth_l1`), with r the residual and c `threshold`."""
+    residual = prediction.float() - target.float()
+    if loss_type == "l2":
+        return residual.pow(2).mean(dim=tuple(range(1, residual.dim())))
+    c = threshold.float().view(-1, *[1] * (residual.dim() - 1))
+    squared = (residual / c) ** 2
+    bend = squared / ((1.0 + squared).sqrt() + 1.0)  # √(1 + x) − 1 without cancellation for small x
+    elementwise = c * c * bend if loss_type == "huber" else c * bend
+    return elementwise.mean(dim=tuple(range(1, residual.dim())))
 
 
 @dataclass
 class Draws:
-    """The random values one batch's loss uses: the noise, the timesteps, and the noise of the VAE
-    posterior sample (used only when the batch holds pixels rather than cached latents)."""
+    """The random values one batch's loss uses: the noise, the timesteps, the noise of the VAE
+    posterior sample (used only when the batch holds pixels rather than cached latents) and, with
+    input perturbation, the noise the input is noised with (the target keeps `noise`)."""
 
     noise: torch.Tensor
     timesteps: torch.Tensor
     posterior_noise: torch.Tensor
+    input_noise: torch.Tensor | None = None
 
 
-def sample_draws(keys: list[tuple[int, int]], seed: int, num_train_timesteps: int, latent_shape: tuple[int, ...],
-                 noise_offset: float) -> Draws:
+def sample_draws(keys: list[tuple[int, int]], seed: int, latent_shape: tuple[int, ...],
+                 settings: DrawSettings) -> Draws:
     """The draws of a batch, each sample from its own generator seeded by (seed, image, epoch).
 
     The draws of an image never depend on which other images share its batch, how many processes
     split the global batch, or whether the run was resumed: one process with batch 4 and two with
-    batch 2 train on exactly the same noise.
+    batch 2 train on exactly the same noise. Each option's draws come after the ones of the plain
+    recipe, so turning one on changes no other image's draws.
     """
     import hashlib
 
     import torch
 
-    noises, timesteps, posteriors = [], [], []
+    noises, timesteps, posteriors, perturbed = [], [], [], []
     for index, epoch in keys:
         digest = hashlib.sha256(f"{seed}-{index}-{epoch}".encode()).digest()
         generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
-        timesteps.append(torch.randint(0, num_train_timesteps, (1,), generator=generator))
-        noises.append(sample_noise(latent_shape[1:], noise_offset, generator))
+        timesteps.append(sample_timestep(settings, generator))
+        noise = sample_noise(latent_shape[1:], settings.noise_offset, generator, settings.noise_offset_random_strength)
         posteriors.append(torch.randn(latent_shape[1:], generator=generator))
-    return Draws(torch.stack(noises), torch.cat(timesteps), torch.stack(posteriors))
+        if settings.multires_noise_iterations:
+            noise = multires_noise(noise, settings.multires_noise_iterations, settings.multires_noise_discount,
+                                   generator)
+        noises.append(noise)
+        if settings.ip_noise_gamma:
+            perturbed.append(noise + settings.ip_noise_gamma * torch.randn(noise.shape, generator=generator))
+    return Draws(torch.stack(noises), torch.cat(timesteps), torch.stack(posteriors),
+                 torch.stack(perturbed) if perturbed else None)
 
 
 @dataclass
@@ -152,15 +293,25 @@ def conditioning(models: LossModels, batch: dict, device) -> dict[str, torch.Ten
             "added_cond_kwargs": {"text_embeds": pooled_embeds, "time_ids": time_ids}}
 
 
-def diffusion_loss(models: LossModels, scheduler: DDPMScheduler, batch: dict, draws: Draws, device,
-                   snr_gamma: float | None = None, min_sigma: float | None = None) -> torch.Tensor:
-    """The SDXL denoising loss of one batch: the UNet's prediction from the noised latents against
-    its target (noise or velocity), squared error in fp32, optionally min-SNR weighted."""
-    latents = scaled_latents(models.pipe.vae, batch, draws.posterior_noise, device)
+def noised_input_and_target(scheduler: DDPMScheduler, latents: torch.Tensor, draws: Draws,
+                            device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The UNet's noised input and what it should predict. With input perturbation the input is
+    noised with `draws.input_noise`; the target always comes from `draws.noise`."""
     noise, timesteps = draws.noise.to(device), draws.timesteps.to(device)
-    noisy_latents = scheduler.add_noise(latents, noise, timesteps)
-    target = training_target(scheduler, latents, noise, timesteps)
+    input_noise = noise if draws.input_noise is None else draws.input_noise.to(device)
+    return scheduler.add_noise(latents, input_noise, timesteps), training_target(scheduler, latents, noise, timesteps)
+
+
+def diffusion_loss(models: LossModels, scheduler: DDPMScheduler, batch: dict, draws: Draws, device,
+                   settings: LossSettings | None = None) -> torch.Tensor:
+    """The SDXL denoising loss of one batch: the UNet's prediction from the noised latents against
+    its target (noise or velocity) in fp32, with the configured loss function and weights."""
+    settings = settings or LossSettings()
+    latents = scaled_latents(models.pipe.vae, batch, draws.posterior_noise, device)
+    timesteps = draws.timesteps.to(device)
+    noisy_latents, target = noised_input_and_target(scheduler, latents, draws, device)
     prediction = models.unet(noisy_latents, timesteps, **conditioning(models, batch, device)).sample
-    per_sample = (prediction.float() - target.float()).pow(2).mean(dim=(1, 2, 3))
-    weights = loss_weights(scheduler, timesteps, snr_gamma, min_sigma)
+    threshold = huber_c(scheduler, timesteps, settings) if settings.loss_type != "l2" else None
+    per_sample = per_sample_loss(prediction, target, settings.loss_type, threshold)
+    weights = loss_weights(scheduler, timesteps, settings)
     return (per_sample * weights).mean() if weights is not None else per_sample.mean()

@@ -134,8 +134,32 @@ def describe_plan(config: Config, data_plan: DatasetPlan, total_steps: int) -> s
         f"steps: {total_steps} optimizer steps ({steps_per_epoch:g} per epoch); global batch {global_batch} = "
         f"{per_process} per process x {data_plan.world_size} process(es) x {config.training.grad_accum_steps} "
         "accumulation",
+        describe_recipe(config),
         f"output: {config.output_dir}",
     ])
+
+
+def describe_recipe(config: Config) -> str:
+    """The loss, timestep and noise settings in one line."""
+    training = config.training
+    loss = training.loss_type
+    if loss != "l2":
+        loss += f" (c {training.huber_c:g}, {training.huber_schedule} schedule)"
+    weights = [f"min-SNR {training.snr_gamma:g}"] if training.snr_gamma else []
+    weights += ["debiased estimation"] if training.debiased_estimation else []
+    timesteps = {"uniform": "uniform", "sigmoid": f"sigmoid (scale {training.sigmoid_scale:g})",
+                 "logit_normal": f"logit-normal (mean {training.logit_mean:g}, std {training.logit_std:g})",
+                 }[training.timestep_sampling] + f" in [{training.min_timestep}, {training.max_timestep})"
+    noise = []
+    if training.noise_offset:
+        noise.append(f"offset {training.noise_offset:g}" + (" (random strength)"
+                                                            if training.noise_offset_random_strength else ""))
+    if training.multires_noise_iterations:
+        noise.append(f"multires {training.multires_noise_iterations} x {training.multires_noise_discount:g}")
+    if training.ip_noise_gamma:
+        noise.append(f"input perturbation {training.ip_noise_gamma:g}")
+    return (f"loss: {loss}" + (f", weighted by {' and '.join(weights)}" if weights else "")
+            + f"; timesteps {timesteps}; noise: {', '.join(noise) or 'plain'}")
 
 
 def make_latent_cache(config: Config, vae_id: str) -> LatentCache:

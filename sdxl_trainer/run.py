@@ -361,19 +361,19 @@ def epoch_batches(run: Run) -> Iterator[dict]:
 def forward_backward(run: Run, batch: dict) -> torch.Tensor:
     """One micro-batch: the loss on its per-image draws, and its gradients (which add up over
     `grad_accum_steps` micro-batches)."""
-    from .diffusion import diffusion_loss, sample_draws
+    from .diffusion import DrawSettings, LossSettings, diffusion_loss, sample_draws
 
     training, tally = run.config.training, run.tally
     run.position.batches_in_epoch += 1
     height, width = batch["target_sizes"][0].tolist()
     latent_shape = (len(batch["keys"]), run.pipe.unet.config.in_channels, height // 8, width // 8)
-    draws = sample_draws(batch["keys"], run.seed, run.noise_scheduler.config.num_train_timesteps, latent_shape,
-                         training.noise_offset)
+    draws = sample_draws(batch["keys"], run.seed, latent_shape,
+                         DrawSettings.of(training, run.noise_scheduler.config.num_train_timesteps))
     tally.batch_paths += batch["paths"]
     tally.batch_timesteps += draws.timesteps.tolist()
-    min_sigma = training.min_sigma if run.position.step >= training.min_sigma_warmup_steps else None
+    settings = LossSettings.of(training, min_sigma_on=run.position.step >= training.min_sigma_warmup_steps)
     with run.accelerator.accumulate(*run.prepared), run.autocast:
-        loss = diffusion_loss(run.models, run.noise_scheduler, batch, draws, run.device, training.snr_gamma, min_sigma)
+        loss = diffusion_loss(run.models, run.noise_scheduler, batch, draws, run.device, settings)
         run.accelerator.backward(run.scaler.scale(loss))
     tally.epoch_losses.append(loss.detach())
     return loss

@@ -15,7 +15,15 @@ import dataset
 from sdxl_trainer.bf16_adamw import StochasticRoundingAdamW
 from sdxl_trainer.conditioning import encode_prompts
 from sdxl_trainer.config import LRSchedulerConfig, validate_config
-from sdxl_trainer.diffusion import Draws, LossModels, diffusion_loss, loss_weights, make_noise_scheduler, snr
+from sdxl_trainer.diffusion import (
+    Draws,
+    LossModels,
+    LossSettings,
+    diffusion_loss,
+    loss_weights,
+    make_noise_scheduler,
+    snr,
+)
 from sdxl_trainer.ema import EMA
 from sdxl_trainer.lr_schedule import lr_factor
 from sdxl_trainer.models import load_pipeline
@@ -99,18 +107,18 @@ def test_min_snr_weights_equal_their_closed_form() -> None:
     expected_snr = alphas / (1 - alphas)
     torch.testing.assert_close(snr(epsilon, timesteps).double(), expected_snr, rtol=1e-6, atol=0)
     gamma = 5.0
-    torch.testing.assert_close(loss_weights(epsilon, timesteps, gamma, None).double(),
+    torch.testing.assert_close(loss_weights(epsilon, timesteps, LossSettings(gamma)).double(),
                                expected_snr.clamp(max=gamma) / expected_snr, rtol=1e-6, atol=0)
     v_pred = make_noise_scheduler(SDXL_SCHEDULER, "v_prediction", False)
-    torch.testing.assert_close(loss_weights(v_pred, timesteps, gamma, None).double(),
+    torch.testing.assert_close(loss_weights(v_pred, timesteps, LossSettings(gamma)).double(),
                                expected_snr.clamp(max=gamma) / (expected_snr + 1), rtol=1e-6, atol=0)
     # min_sigma caps SNR at 1/min_sigma² in the weighting: only the low-noise (high SNR) step changes.
     capped = expected_snr.clamp(max=1 / 0.4**2)
-    torch.testing.assert_close(loss_weights(epsilon, timesteps, gamma, 0.4).double(),
+    torch.testing.assert_close(loss_weights(epsilon, timesteps, LossSettings(gamma, 0.4)).double(),
                                capped.clamp(max=gamma) / capped, rtol=1e-6, atol=0)
-    assert loss_weights(epsilon, timesteps, None, None) is None
+    assert loss_weights(epsilon, timesteps, LossSettings()) is None
     assert torch.isfinite(loss_weights(make_noise_scheduler(SDXL_SCHEDULER, "v_prediction", True),
-                                       timesteps, gamma, None)).all()
+                                       timesteps, LossSettings(gamma))).all()
 
 
 def test_min_sigma_needs_snr_gamma(tmp_path: Path) -> None:
