@@ -1,7 +1,7 @@
 # The README's commands. `make quickstart` and `make test` set themselves up: tools/setup_venv.py
 # creates the project venv (.venv) with python3, installs what is missing (torch, CPU or CUDA
-# build, then requirements.txt; for test and lint also requirements-dev.txt, and
-# requirements-demo.txt if there is one) and does nothing when .venv is up to date (a stamp of
+# build, then requirements.txt; for test and lint also requirements-dev.txt,
+# requirements-optimizers.txt and requirements-demo.txt where they exist) and does nothing when .venv is up to date (a stamp of
 # the requirement files' hashes). Every target then runs .venv/bin/python.
 # To use an environment you manage yourself, name its interpreter; then nothing is set up:
 #     make test PYTHON=python

@@ -58,7 +58,8 @@ def identity(config: Config) -> dict[str, Any]:
         "adapter.conv_alpha": adapter.conv_alpha, "precision": config.precision,
         "optimizer.type": config.optimizer.type,
     } | ({"adapter.lokr_factor": adapter.lokr_factor, "adapter.lokr_decompose_both": adapter.lokr_decompose_both}
-         if adapter.type == "lokr" else {})  # only then: states saved before these keys existed still match
+         if adapter.type == "lokr" else {}) | (  # only when used: states saved before these keys still match
+        {"adapter.loraplus_lr_ratio": adapter.loraplus_lr_ratio} if adapter.loraplus_lr_ratio else {})
 
 
 def soft_settings(config: Config, data_plan, total_steps: int) -> dict[str, Any]:

@@ -101,6 +101,9 @@ class AdapterConfig(Section):
     )
     conv_rank: PositiveInt | None = Field(None, description="Rank for convolution targets (default: rank).")
     conv_alpha: float | None = Field(None, gt=0.0, description="Alpha for convolution targets (default: alpha).")
+    loraplus_lr_ratio: float | None = Field(
+        None, gt=0.0, description="LoRA+ (Hayou et al. 2024): the B (up) matrices train at this many times the "
+        "learning rate (e.g. 16); LoRA and DoRA only.")
     lokr_factor: int = Field(
         -1, description="LoKr: split each dimension n into f x n/f for the Kronecker factors (LyCORIS's `factor`); "
         "-1 = as square as possible.")
@@ -110,6 +113,8 @@ class AdapterConfig(Section):
 
     @model_validator(mode="after")
     def _dropout_is_lora_only(self) -> AdapterConfig:
+        if self.loraplus_lr_ratio and self.type not in ("lora", "dora"):
+            raise _KeyError("adapter.loraplus_lr_ratio", f"applies to LoRA's B matrices; {self.type} has none")
         if self.type in ("lokr", "loha") and self.dropout:
             raise _KeyError("adapter.dropout", f"is LoRA's input dropout; {self.type} has none (set 0)")
         if self.lokr_factor == 0 or self.lokr_factor < -1:
@@ -357,12 +362,21 @@ class DataConfig(Section):
 
 # ----------------------------------------------------------------------------------- optimizer
 class OptimizerConfig(Section):
-    type: Literal["adamw8bit", "adamw", "adafactor"] = Field(
-        "adamw8bit", description="8-bit AdamW (bitsandbytes), AdamW, or Adafactor."
+    type: Literal[
+        "adamw8bit", "adamw", "adafactor", "prodigy", "adamw_schedulefree", "lion", "lion8bit", "came"
+    ] = Field(
+        "adamw8bit", description="8-bit AdamW (bitsandbytes), AdamW, Adafactor, Prodigy (`prodigyopt`; the "
+        "learning rates are multipliers of its own step size: use 1.0), schedule-free AdamW (`schedulefree`; "
+        "constant LR schedule, eval and exports use its averaged weights), Lion or 8-bit Lion (bitsandbytes), "
+        "or CAME (`came-pytorch`)."
     )
     weight_decay: float = Field(0.01, ge=0.0, description="Weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas.")
-    eps: float = Field(1e-8, gt=0.0, description="Adam epsilon.")
+    betas: tuple[float, float] = Field(
+        (0.9, 0.999), description="Adam betas (Lion: its own (0.9, 0.99) unless set; CAME: not used).")
+    eps: float = Field(1e-8, gt=0.0, description="Adam epsilon (not used by Lion and CAME).")
+    args: dict[str, Any] = Field(
+        default_factory=dict, description="Further keyword arguments of the optimizer's constructor, checked "
+        'against it (e.g. `{"d_coef": 0.5}` for Prodigy).')
 
     @field_validator("betas")
     @classmethod
@@ -468,6 +482,12 @@ class Config(Section):
                     "model.weights_dtype", '"bf16" trains with AdamW and stochastic rounding: set optimizer.type '
                     'to "adamw"'
                 )
+        schedule = training.lr_scheduler
+        if self.optimizer.type == "adamw_schedulefree" and schedule is not None and schedule.type != "constant":
+            raise _KeyError(
+                "training.lr_scheduler.type", f'is "{schedule.type}", but schedule-free AdamW replaces the decay '
+                'with its averaging: use "constant" (its warmup_steps warm up the optimizer)'
+            )
         for index in (1, 2):
             if getattr(model, f"train_text_encoder_{index}") and getattr(training, f"lr_text_encoder_{index}") is None:
                 raise _KeyError(

@@ -40,9 +40,12 @@ def lr_factor(step: int, schedule: LRSchedulerConfig, total_steps: int) -> float
     return low + (1.0 - low) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def make_lr_scheduler(optimizer, training: TrainingConfig, total_steps: int):
-    """A LambdaLR whose factor follows the configured schedule (its state resumes exactly)."""
+def make_lr_scheduler(optimizer, training: TrainingConfig, total_steps: int, optimizer_warms_up: bool = False):
+    """A LambdaLR whose factor follows the configured schedule (its state resumes exactly);
+    without the warmup when the optimizer does it itself (schedule-free)."""
     from torch.optim.lr_scheduler import LambdaLR
 
     schedule = schedule_settings(training)
+    if optimizer_warms_up:
+        schedule = schedule.model_copy(update={"warmup_steps": 0})
     return LambdaLR(optimizer, lambda step: lr_factor(step, schedule, total_steps))

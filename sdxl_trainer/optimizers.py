@@ -1,21 +1,68 @@
-"""The optimizers users choose by name: 8-bit AdamW (bitsandbytes), AdamW and Adafactor."""
+"""The optimizers users choose by name: 8-bit AdamW (bitsandbytes), AdamW, Adafactor, Prodigy,
+schedule-free AdamW, Lion and 8-bit Lion (bitsandbytes) and CAME, each from its authors' package.
+
+`optimizer.args` passes further keyword arguments, checked against the constructor. Schedule-free
+AdamW keeps two sets of weights: the ones it trains (train mode) and their average (eval mode),
+which is what eval images and the final outputs must use (`averaged_weights`).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+from collections.abc import Iterator
 from typing import Any
 
-from .config import OptimizerConfig
+from .config import ConfigError, OptimizerConfig, closest
+
+# optimizer.type → (module, class, the pip package that provides it)
+CLASSES = {
+    "adamw": ("torch.optim", "AdamW", "torch"),
+    "adamw8bit": ("bitsandbytes.optim", "AdamW8bit", "bitsandbytes"),
+    "adafactor": ("transformers.optimization", "Adafactor", "transformers"),
+    "prodigy": ("prodigyopt", "Prodigy", "prodigyopt"),
+    "adamw_schedulefree": ("schedulefree", "AdamWScheduleFree", "schedulefree"),
+    "lion": ("bitsandbytes.optim", "Lion", "bitsandbytes"),
+    "lion8bit": ("bitsandbytes.optim", "Lion8bit", "bitsandbytes"),
+    "came": ("came_pytorch", "CAME", "came-pytorch"),
+}
+ADAM_LIKE = {"adamw", "adamw8bit", "prodigy", "adamw_schedulefree"}
+SET_BY_THE_TRAINER = {"self", "params", "lr"}  # the param groups carry training.lr_*
+
+
+def optimizer_class(kind: str) -> type:
+    """The optimizer class; a missing package is a ConfigError with the command that installs it."""
+    import importlib
+
+    module, name, package = CLASSES[kind]
+    try:
+        return getattr(importlib.import_module(module), name)
+    except ImportError:
+        raise ConfigError(f'optimizer.type "{kind}" needs the package {package}: pip install {package} '
+                          "(or pip install -r requirements-optimizers.txt)") from None
+
+
+def check_optimizer(optimizer: OptimizerConfig) -> None:
+    """The package is installed and every `optimizer.args` key is an argument of the constructor."""
+    accepted = inspect.signature(optimizer_class(optimizer.type).__init__).parameters
+    for key in optimizer.args:
+        if key in SET_BY_THE_TRAINER:
+            raise ConfigError(f"optimizer.args.{key} is set by the trainer (learning rates: training.lr_*)")
+        if key not in accepted:
+            match = closest(key, [name for name in accepted if name not in SET_BY_THE_TRAINER])
+            raise ConfigError(f"optimizer.args.{key}: not an argument of {optimizer.type}"
+                              + (f' (did you mean "{match}"?)' if match else "")
+                              + f"; it takes {', '.join(n for n in accepted if n not in SET_BY_THE_TRAINER)}")
 
 
 def make_optimizer(optimizer: OptimizerConfig, param_groups: list[dict[str, Any]], device: str = "cpu",
-                   bf16_weights: bool = False):
+                   bf16_weights: bool = False, warmup_steps: int = 0):
     """Build the optimizer over param groups that each carry their own `lr`.
 
     bf16 weights get AdamW with stochastic rounding; 8-bit AdamW falls back to AdamW on Apple MPS,
-    where bitsandbytes has no kernels (the fallback is printed).
+    where bitsandbytes has no kernels (the fallback is printed). `warmup_steps` goes to the
+    optimizers that warm up themselves (schedule-free) or guard their estimate during warmup (Prodigy).
     """
-    import torch
-
     if bf16_weights:
         from .bf16_adamw import StochasticRoundingAdamW
 
@@ -23,28 +70,53 @@ def make_optimizer(optimizer: OptimizerConfig, param_groups: list[dict[str, Any]
             param_groups, betas=optimizer.betas, eps=optimizer.eps, weight_decay=optimizer.weight_decay
         )
     kind = optimizer.type
-    if kind == "adamw8bit" and device == "mps":
-        print('warning: bitsandbytes has no 8-bit AdamW for Apple MPS; using optimizer.type "adamw" instead')
-        kind = "adamw"
-    if kind == "adamw":
-        return torch.optim.AdamW(
-            param_groups, betas=optimizer.betas, eps=optimizer.eps, weight_decay=optimizer.weight_decay
-        )
-    if kind == "adamw8bit":
-        try:
-            import bitsandbytes as bnb
-        except ImportError as exc:
-            raise RuntimeError(
-                'optimizer.type "adamw8bit" needs bitsandbytes: pip install bitsandbytes '
-                '(or set optimizer.type to "adamw")'
-            ) from exc
-        return bnb.optim.AdamW8bit(
-            param_groups, betas=optimizer.betas, eps=optimizer.eps, weight_decay=optimizer.weight_decay
-        )
-    from transformers.optimization import Adafactor
+    if kind in ("adamw8bit", "lion8bit") and device == "mps":
+        kind = "adamw" if kind == "adamw8bit" else "lion"
+        print(f'warning: bitsandbytes has no 8-bit optimizers for Apple MPS; using optimizer.type "{kind}" instead')
+    settings = own_defaults(optimizer, kind, warmup_steps)
+    if kind == "came":  # it refuses to be built without a default rate; every group brings its own
+        settings["lr"] = param_groups[0]["lr"]
+    return optimizer_class(kind)(param_groups, **(settings | optimizer.args))
 
-    # Fixed learning rates from the config, not Adafactor's own relative step sizes.
-    return Adafactor(
-        param_groups, scale_parameter=False, relative_step=False, warmup_init=False,
-        weight_decay=optimizer.weight_decay,
-    )
+
+def own_defaults(optimizer: OptimizerConfig, kind: str, warmup_steps: int) -> dict[str, Any]:
+    """The keyword arguments this trainer sets for `kind` from the `optimizer` block."""
+    settings: dict[str, Any] = {"weight_decay": optimizer.weight_decay}
+    if kind in ADAM_LIKE:
+        settings |= {"betas": optimizer.betas, "eps": optimizer.eps}
+    if kind in ("lion", "lion8bit") and "betas" in optimizer.model_fields_set:
+        settings["betas"] = optimizer.betas  # else Lion's own (0.9, 0.99): Adam's 0.999 is wrong for it
+    if kind == "prodigy":
+        settings["safeguard_warmup"] = warmup_steps > 0  # the authors' advice with a warmup
+    if kind == "adamw_schedulefree":
+        settings["warmup_steps"] = warmup_steps
+    if kind == "adafactor":  # fixed learning rates from the config, not Adafactor's relative step sizes
+        settings |= {"scale_parameter": False, "relative_step": False, "warmup_init": False}
+    return settings
+
+
+def is_schedule_free(optimizer: Any) -> bool:
+    return hasattr(getattr(optimizer, "optimizer", optimizer), "eval") and \
+        "ScheduleFree" in type(getattr(optimizer, "optimizer", optimizer)).__name__
+
+
+@contextlib.contextmanager
+def averaged_weights(optimizer: Any, parameters: list) -> Iterator[None]:
+    """A schedule-free optimizer's averaged (eval-mode) weights in the model for the block; the
+    training weights come back exactly afterwards (switching modes is a lerp, not exact in
+    floats). Every process must enter it alike. Other optimizers: nothing happens."""
+    if not is_schedule_free(optimizer):
+        yield
+        return
+    import torch
+
+    inner = getattr(optimizer, "optimizer", optimizer)
+    training_weights = [param.detach().clone() for param in parameters]
+    inner.eval()
+    try:
+        yield
+    finally:
+        inner.train()
+        with torch.no_grad():
+            for param, saved in zip(parameters, training_weights, strict=True):
+                param.copy_(saved)

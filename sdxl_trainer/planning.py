@@ -35,6 +35,7 @@ def check_inputs(config: Config) -> None:
     from .distributed import check_launch
     from .export import check_export
     from .models import check_model, resolve_source
+    from .optimizers import check_optimizer
 
     unbuilt = unbuilt_options(config)
     if unbuilt:
@@ -43,6 +44,7 @@ def check_inputs(config: Config) -> None:
     check_attention(config.model.attention)
     check_launch(config, os.environ)
     check_model(config.model)
+    check_optimizer(config.optimizer)
     check_export(config)
     if config.model.vae:
         resolve_source(config.model.vae, key="model.vae")
@@ -135,8 +137,22 @@ def describe_plan(config: Config, data_plan: DatasetPlan, total_steps: int) -> s
         f"{per_process} per process x {data_plan.world_size} process(es) x {config.training.grad_accum_steps} "
         "accumulation",
         describe_recipe(config),
+        describe_optimizer(config),
         f"output: {config.output_dir}",
     ])
+
+
+def describe_optimizer(config: Config) -> str:
+    """The optimizer, its extra arguments, LoRA+, and a warning for Prodigy with Adam-sized rates."""
+    optimizer, training = config.optimizer, config.training
+    line = f"optimizer: {optimizer.type}" + "".join(f", {key}={value}" for key, value in optimizer.args.items())
+    if config.adapter.loraplus_lr_ratio:
+        line += f"; LoRA+: B matrices at {config.adapter.loraplus_lr_ratio:g}x the learning rate"
+    rates = [rate for rate in (training.lr_unet, training.lr_text_encoder_1, training.lr_text_encoder_2) if rate]
+    if optimizer.type == "prodigy" and min(rates) < 0.1:
+        line += (f"\n  warning: Prodigy's learning rates multiply its own step size; {min(rates):g} makes its steps "
+                 f"{1 / min(rates):,.0f} times smaller (use 1.0, and e.g. 0.5 for a text encoder)")
+    return line
 
 
 def describe_recipe(config: Config) -> str:

@@ -119,7 +119,7 @@ def start_run(config: Config, plan: RunPlan, pipe: StableDiffusionXLPipeline | N
     from .diffusion import LossModels
     from .distributed import describe_sharding, is_sharded
     from .lr_schedule import make_lr_scheduler, schedule_settings
-    from .optimizers import make_optimizer
+    from .optimizers import is_schedule_free, make_optimizer
     from .precision import plan_precision
 
     accelerator = make_accelerator(config)
@@ -133,9 +133,10 @@ def start_run(config: Config, plan: RunPlan, pipe: StableDiffusionXLPipeline | N
     if pipe is None:
         pipe = load_base_pipeline(config, plan, accelerator)
     noise_scheduler, cache, trainable = setup_models(config, plan, precision, accelerator, pipe)
+    warmup_steps = schedule_settings(config.training).warmup_steps
     optimizer = make_optimizer(config.optimizer, trainable.param_groups(), accelerator.device.type,
-                               bf16_weights=precision.components["unet"].trained == "bf16")
-    lr_scheduler = make_lr_scheduler(optimizer, config.training, plan.total_steps)
+                               precision.components["unet"].trained == "bf16", warmup_steps)
+    lr_scheduler = make_lr_scheduler(optimizer, config.training, plan.total_steps, is_schedule_free(optimizer))
     scaler = torch.amp.GradScaler(accelerator.device.type, enabled=precision.uses_grad_scaler)
     # Under FSDP this shards the UNet in place and points the optimizer at the slices.
     *prepared, optimizer, lr_scheduler = accelerator.prepare(*trainable.modules.values(), optimizer, lr_scheduler)
@@ -153,7 +154,9 @@ def start_run(config: Config, plan: RunPlan, pipe: StableDiffusionXLPipeline | N
                      precision.uses_grad_scaler, consecutive=state["nan_skips"] if state else 0)
     run = Run(config, plan, accelerator, pipe, noise_scheduler, trainable, prepared,
               LossModels(pipe, unet, text_encoders), optimizer, lr_scheduler, scaler, autocast, guard, seed)
-    run.warmup_steps = schedule_settings(training).warmup_steps
+    run.warmup_steps = warmup_steps
+    if is_schedule_free(optimizer):
+        optimizer.train()  # it steps only in train mode; a resumed state says so again
     if state:
         restore_training_state(run, state)
     accelerator.print(trainable.describe())
@@ -347,7 +350,7 @@ def make_evaluator(run: Run, cache: LatentCache | None) -> Evaluator | None:
     def eval_loss(pipe: StableDiffusionXLPipeline, batch: dict, draws) -> torch.Tensor:
         return diffusion_loss(LossModels.of(pipe), run.noise_scheduler, batch, draws, run.device)
 
-    return Evaluator(run.config, run.plan.prompts, validation, eval_loss, run.trainable.group_names, run.writer)
+    return Evaluator(run.config, run.plan.prompts, validation, eval_loss, list(run.trainable.modules), run.writer)
 
 
 # ------------------------------------------------------------------------------------- steps
@@ -423,6 +426,7 @@ def after_step(run: Run, result: StepResult) -> None:
     from .distributed import gather_pipeline, is_sharded
     from .ema import EMA
     from .evaluator import live_eval_due
+    from .optimizers import averaged_weights
     from .outputs import log_step
 
     config, step, tally = run.config, run.position.step, run.tally
@@ -444,7 +448,8 @@ def after_step(run: Run, result: StepResult) -> None:
         tally.rank_checks += 1
     if run.plan.prompts and live_eval_due(config, step):
         use_ema = run.ema and run.evaluator and config.eval.use_ema
-        with run.ema.swapped_in() if use_ema else contextlib.nullcontext():
+        with (averaged_weights(run.optimizer, run.trained_params),
+              run.ema.swapped_in() if use_ema else contextlib.nullcontext()):
             full = gather_pipeline(run.accelerator, run.pipe, run.trainable, run.device)
             if run.evaluator:
                 run.evaluator.live(full, step)
@@ -563,6 +568,7 @@ def save_outputs(run: Run) -> int:
     from .distributed import check_finite_everywhere, gather_pipeline
     from .export import ExportError
     from .finite import NonFiniteWeightsError
+    from .optimizers import averaged_weights
 
     accelerator = run.accelerator
     accelerator.wait_for_everyone()
@@ -574,7 +580,8 @@ def save_outputs(run: Run) -> int:
     run.stop.action = "finishing the write in progress, then saving a checkpoint"
     snapshot = take_snapshot(run)
     try:
-        with run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext():
+        with (averaged_weights(run.optimizer, run.trained_params),
+              run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext()):
             if run.ema is not None:
                 accelerator.print("final weights: EMA of the trained weights")
             check_finite_everywhere(accelerator, run.trainable)

@@ -1,4 +1,5 @@
-"""What is trained: adapters (DoRA/LoRA) or full weights, per component, with their learning rates."""
+"""What is trained: adapters (DoRA/LoRA/LoKr/LoHa) or full weights, per component, with their
+learning rates (LoRA+: the B matrices in a group of their own at a multiple of the rate)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ class Trainable:
     modules: dict[str, torch.nn.Module]
     learning_rates: dict[str, float]
     adapter_type: str  # "dora", "lora", "lokr", "loha" or "none"
+    loraplus_ratio: float | None = None  # LoRA+: the B matrices' learning rate multiple
 
     @property
     def is_adapter(self) -> bool:
@@ -28,13 +30,20 @@ class Trainable:
 
     @property
     def group_names(self) -> list[str]:
-        return list(self.modules)
+        """The optimizer's param groups, in order (a component, and with LoRA+ `<component>_lora_B`)."""
+        return [group["name"] for group in self.param_groups()]
 
     def param_groups(self) -> list[dict[str, Any]]:
-        return [
-            {"params": [p for p in module.parameters() if p.requires_grad], "lr": self.learning_rates[name]}
-            for name, module in self.modules.items()
-        ]
+        groups = []
+        for name, module in self.modules.items():
+            trained = [(key, p) for key, p in module.named_parameters() if p.requires_grad]
+            is_b = [self.loraplus_ratio is not None and ".lora_B." in f".{key}" for key, _ in trained]
+            groups.append({"name": name, "lr": self.learning_rates[name],
+                           "params": [p for (_, p), b in zip(trained, is_b, strict=True) if not b]})
+            if any(is_b):
+                groups.append({"name": f"{name}_lora_B", "lr": self.learning_rates[name] * self.loraplus_ratio,
+                               "params": [p for (_, p), b in zip(trained, is_b, strict=True) if b]})
+        return groups
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
         for group in self.param_groups():
@@ -49,7 +58,7 @@ class Trainable:
     def on(self, pipe: StableDiffusionXLPipeline) -> Trainable:
         """The same training setup over another pipeline's components (e.g. gathered full copies)."""
         return Trainable({name: getattr(pipe, name) for name in self.modules}, self.learning_rates,
-                         self.adapter_type)
+                         self.adapter_type, self.loraplus_ratio)
 
     def describe(self) -> str:
         parts = []
@@ -91,7 +100,7 @@ def prepare_trainable(pipe: StableDiffusionXLPipeline, config: Config) -> Traina
                 module.gradient_checkpointing_enable()
         module.train()
         modules[name] = module
-    return Trainable(modules, wanted, config.adapter.type)
+    return Trainable(modules, wanted, config.adapter.type, config.adapter.loraplus_lr_ratio)
 
 
 def unused_prefixes(name: str, module: torch.nn.Module) -> tuple[str, ...]:

@@ -1,7 +1,7 @@
 """Create or update the project venv (.venv) for the Makefile's targets; a no-op when up to date.
 
     python3 tools/setup_venv.py          # runtime: torch + requirements.txt (make quickstart, docs, bench)
-    python3 tools/setup_venv.py --dev    # also requirements-dev.txt and requirements-demo.txt if present (make test)
+    python3 tools/setup_venv.py --dev    # also requirements-dev/-optimizers/-demo.txt where present (make test)
 
 Runs with the system python3 (3.10 or newer, with its venv module). Steps, each skipped when done:
 1. create .venv with this python3;
@@ -42,7 +42,7 @@ VENV = ROOT / ".venv"
 STAMP = VENV / ".setup-stamp"
 TORCH = "torch==2.13.0"  # the version the tests run with; requirements.txt says torch>=2.4
 RUNTIME = ["requirements.txt"]
-DEV = ["requirements-dev.txt", "requirements-demo.txt"]  # the demo file is optional
+DEV = ["requirements-dev.txt", "requirements-optimizers.txt", "requirements-demo.txt"]  # absent ones are skipped
 VENV_MISSING = (
     "python3 cannot create a virtual environment: install python3-venv (Debian/Ubuntu: apt-get install python3-venv)"
 )

@@ -1,0 +1,170 @@
+"""The optimizers beyond AdamW (Prodigy, schedule-free AdamW, Lion, 8-bit Lion, CAME), their
+arguments, LoRA+, and schedule-free's two sets of weights: eval images and exports use the averaged
+ones, training goes on from the trained ones exactly."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import train_sdxl
+from sdxl_trainer import run as run_module
+from sdxl_trainer.config import ConfigError, OptimizerConfig, validate_config
+from sdxl_trainer.data import ImageCaptionDataset, collate
+from sdxl_trainer.data_plan import plan_dataset
+from sdxl_trainer.diffusion import DrawSettings, LossModels, diffusion_loss, make_noise_scheduler, sample_draws
+from sdxl_trainer.models import load_pipeline
+from sdxl_trainer.optimizers import averaged_weights, check_optimizer, make_optimizer
+from sdxl_trainer.training_setup import prepare_trainable
+from tests.helpers import accelerate_launch, tiny_config, write_config
+from tests.test_multiprocess import LAUNCH_TWO
+
+# Learning rates each optimizer trains the tiny model with (Prodigy's is a multiplier of its own step).
+NEW_OPTIMIZERS = {"prodigy": 1.0, "adamw_schedulefree": 1e-3, "lion": 1e-4, "lion8bit": 1e-4, "came": 1e-3}
+
+
+def optimizer_config(tmp_path: Path, kind: str, **training) -> dict:
+    lr = NEW_OPTIMIZERS[kind]
+    return tiny_config(tmp_path, optimizer={"type": kind},
+                       training={"lr_unet": lr, "lr_text_encoder_1": lr, **training})
+
+
+@pytest.mark.parametrize("kind", NEW_OPTIMIZERS)
+def test_each_optimizer_lowers_the_loss_on_fixed_draws(kind: str, tmp_path: Path, tiny_sdxl_dir: Path) -> None:
+    config = validate_config(optimizer_config(tmp_path, kind))
+    pipe = load_pipeline(config.model)
+    trainable = prepare_trainable(pipe, config)
+    optimizer = make_optimizer(config.optimizer, trainable.param_groups())
+    if kind == "adamw_schedulefree":
+        optimizer.train()
+    plan = plan_dataset(config.data, 2)
+    dataset = ImageCaptionDataset(plan.scan.images, plan.targets, config.data, seed=7)
+    batch = collate([dataset[(index, 0)] for index in plan.sampler(seed=7).batches(0)[0]])
+    scheduler = make_noise_scheduler(pipe.scheduler.config, None, False)
+    height, width = batch["target_sizes"][0].tolist()
+    draws = sample_draws(batch["keys"], 7, (len(batch["keys"]), 4, height // 8, width // 8), DrawSettings())
+
+    def loss() -> torch.Tensor:
+        return diffusion_loss(LossModels.of(pipe), scheduler, batch, draws, "cpu")
+
+    before = loss().item()
+    for _ in range(8):
+        optimizer.zero_grad()
+        loss().backward()
+        optimizer.step()
+    with averaged_weights(optimizer, list(trainable.parameters())), torch.no_grad():
+        after = loss().item()
+    assert after < before, (before, after)
+
+
+@pytest.mark.parametrize("kind", NEW_OPTIMIZERS)
+def test_each_optimizer_resumes_bit_exactly(kind: str, tmp_path: Path, tiny_sdxl_dir: Path) -> None:
+    """6 steps straight, and 3 + 3 from the straight run's checkpoint at step 3."""
+    path = write_config(tmp_path / "c.json", optimizer_config(tmp_path, kind, num_steps=6, checkpoint_every=3))
+    assert train_sdxl.main(["--config", str(path)]) == 0
+    output = tmp_path / "out"
+    checkpoint = output / "test_run" / "checkpoints" / "checkpoint-3"
+    assert train_sdxl.main(["--config", str(path), "--set", "run.name=resumed",
+                            "--set", f"training.resume_from={checkpoint}"]) == 0
+    expected = load_file(output / "test_run" / "pytorch_lora_weights.safetensors")
+    got = load_file(output / "resumed" / "pytorch_lora_weights.safetensors")
+    assert expected.keys() == got.keys() and all(torch.equal(expected[key], got[key]) for key in expected), kind
+
+
+def test_averaged_weights_are_schedule_frees_eval_weights_and_training_weights_come_back_exactly() -> None:
+    import schedulefree
+
+    layer = torch.nn.Linear(8, 8)
+    optimizer = schedulefree.AdamWScheduleFree(layer.parameters(), lr=1e-2, warmup_steps=2)
+    optimizer.train()
+    for step in range(5):
+        optimizer.zero_grad()
+        layer(torch.randn(4, 8, generator=torch.Generator().manual_seed(step))).pow(2).sum().backward()
+        optimizer.step()
+    training = [param.detach().clone() for param in layer.parameters()]
+    oracle_layer, oracle = copy.deepcopy((layer, optimizer))
+    oracle.eval()  # schedule-free's own switch, on a copy
+    with averaged_weights(optimizer, list(layer.parameters())):
+        during = [param.detach().clone() for param in layer.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(during, oracle_layer.parameters(), strict=True))
+    assert not torch.equal(during[0], training[0])
+    assert all(torch.equal(a, b) for a, b in zip(layer.parameters(), training, strict=True))
+
+
+def test_schedule_free_exports_its_averaged_weights(tmp_path: Path, tiny_sdxl_dir: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """x = y + (1 − 1/β1)(z − y) from the trained weights y and the optimizer's z at the end is what
+    the exported adapter file holds (schedule-free's relation, computed here independently)."""
+    expected = []
+    real_snapshot = run_module.take_snapshot
+
+    def snapshot(run):  # save_outputs takes it once, just before switching to the averaged weights
+        inner = getattr(run.optimizer, "optimizer", run.optimizer)
+        for group in inner.param_groups:
+            beta1 = group["betas"][0]
+            for param in group["params"]:
+                z = inner.state[param]["z"]
+                expected.append(param.detach() + (1 - 1 / beta1) * (z - param.detach()))
+        return real_snapshot(run)
+
+    monkeypatch.setattr(run_module, "take_snapshot", snapshot)
+    config = optimizer_config(tmp_path, "adamw_schedulefree", num_steps=4)
+    assert train_sdxl.main(["--config", str(write_config(tmp_path / "c.json", config))]) == 0
+    exported = load_file(tmp_path / "out" / "test_run" / "pytorch_lora_weights.safetensors")
+    # The same tensors under other names: paired by shape and sum, then compared element by element.
+    assert len(exported) == len(expected)
+
+    def ordered(tensors) -> list[torch.Tensor]:
+        return sorted((t.float().reshape(-1) for t in tensors), key=lambda t: (t.numel(), t.sum().item()))
+
+    for got, want in zip(ordered(exported.values()), ordered(expected), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-8)
+
+
+def test_lora_plus_gives_the_b_matrices_the_ratio(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
+    config = validate_config(tiny_config(tmp_path, adapter={"type": "lora", "rank": 4, "alpha": 4,
+                                                            "loraplus_lr_ratio": 16}))
+    trainable = prepare_trainable(load_pipeline(config.model), config)
+    groups = {group["name"]: group for group in trainable.param_groups()}
+    assert list(groups) == ["unet", "unet_lora_B", "text_encoder", "text_encoder_lora_B"]
+    assert groups["unet_lora_B"]["lr"] == 16 * groups["unet"]["lr"]
+    b_params = {id(p) for name, module in trainable.modules.items() for key, p in module.named_parameters()
+                if ".lora_B." in key and p.requires_grad}
+    assert {id(p) for p in groups["unet_lora_B"]["params"] + groups["text_encoder_lora_B"]["params"]} == b_params
+    assert not b_params & {id(p) for p in groups["unet"]["params"] + groups["text_encoder"]["params"]}
+    with pytest.raises(ConfigError, match=r"adapter\.loraplus_lr_ratio applies to LoRA's B matrices; loha has none"):
+        validate_config(tiny_config(tmp_path, adapter={"type": "loha", "loraplus_lr_ratio": 16}))
+
+
+def test_arguments_and_combinations_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    check_optimizer(OptimizerConfig(type="prodigy", args={"d_coef": 0.5}))
+    with pytest.raises(ConfigError, match=r'args\.d_cof: not an argument of prodigy \(did you mean "d_coef"'):
+        check_optimizer(OptimizerConfig(type="prodigy", args={"d_cof": 0.5}))
+    with pytest.raises(ConfigError, match=r"optimizer\.args\.lr is set by the trainer"):
+        check_optimizer(OptimizerConfig(type="came", args={"lr": 1.0}))
+    with pytest.raises(ConfigError, match='is "cosine_decay", but schedule-free AdamW replaces the decay'):
+        validate_config(tiny_config(tmp_path, optimizer={"type": "adamw_schedulefree"},
+                                    training={"lr_scheduler": {"type": "cosine_decay"}}))
+    path = write_config(tmp_path / "c.json", tiny_config(tmp_path, optimizer={"type": "prodigy"}))
+    assert train_sdxl.main(["--config", str(path), "--dry-run"]) == 0
+    assert "warning: Prodigy's learning rates multiply its own step size; 0.001 makes its steps 1,000 times" \
+        in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", NEW_OPTIMIZERS)
+def test_two_processes_stay_identical(kind: str, tmp_path: Path, tiny_sdxl_dir: Path) -> None:
+    """Under DDP every rank must hold the same weights (checked every step). Schedule-free switches
+    every process to its averaged weights for a live eval and back; Prodigy's estimate of the step
+    size comes from the all-reduced gradients, so it is the same on every rank."""
+    config = optimizer_config(tmp_path, kind, num_steps=4, log_every=1)
+    if kind == "adamw_schedulefree":
+        prompts = Path(__file__).parents[1] / "data" / "eval_prompts.quickstart.json"
+        config["eval"] = {"num_inference_steps": 2, "prompts_path": str(prompts), "width": 64, "height": 64,
+                          "live": {"enabled": True, "every_n_steps": 2, "max_batches": 1}}
+    result = accelerate_launch(LAUNCH_TWO, write_config(tmp_path / "c.json", config))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 processes held identical weights at all 4 checks" in result.stdout
