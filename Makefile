@@ -13,7 +13,7 @@ PYTHON := .venv/bin/python
 SETUP := $(PYTHON3) tools/setup_venv.py
 endif
 
-.PHONY: test lint docs quickstart bench setup setup-dev
+.PHONY: test lint docs quickstart demo bench setup setup-dev
 
 test: lint
 	$(PYTHON) -m pytest -q
@@ -28,6 +28,9 @@ docs: setup
 
 quickstart: setup
 	$(PYTHON) train_sdxl.py --config configs/quickstart.json
+
+demo: setup-dev
+	$(PYTHON) demo_training_flow.py --config configs/quickstart.json
 
 bench: setup
 	$(PYTHON) bench/run_all.py

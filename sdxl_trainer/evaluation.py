@@ -91,7 +91,7 @@ def run_evaluation(
     base_scheduler_config = pipe.scheduler.config
     images = []
     with _pipeline_state_kept(pipe), _global_rng_kept(pipe.device), torch.inference_mode():
-        vae = _fp32_vae(pipe.vae)
+        vae = fp32_vae(pipe.vae)
         for prompt in prompts:
             # A fresh scheduler per image, and the prompt's seed also in the global CPU generator (which
             # e.g. DPMSolverSDEScheduler draws its noise seed from): each image depends on its seed only.
@@ -153,7 +153,7 @@ def _decode(pipe: StableDiffusionXLPipeline, vae: AutoencoderKL, latents: torch.
     return pipe.image_processor.postprocess(decoded, output_type="np")[0]  # clamps to [0, 1]; NaN stays NaN
 
 
-def _fp32_vae(vae: AutoencoderKL) -> AutoencoderKL:
+def fp32_vae(vae: AutoencoderKL) -> AutoencoderKL:
     """The VAE to decode with: itself in fp32, else an fp32 copy (an fp16 VAE overflows to NaN;
     docs/design.md, 'Precision policy'); a copy leaves the training pipeline's VAE untouched."""
     import torch

@@ -8,7 +8,9 @@ Runs with the system python3 (3.10 or newer, with its venv module). Steps, each 
 2. install torch with pip, which honours your pip configuration: the CPU build when no CUDA GPU is
    found (nvidia-smi), the CUDA build otherwise (on Linux, PyPI's torch wheel is the CUDA build);
 3. install the requirement files with uv (4-7 s here against pip's 37-40 s), falling back to pip;
-4. write .venv/.setup-stamp: the torch choice and a hash of each requirement file installed.
+4. write .venv/.setup-stamp: the torch choice and a hash of each requirement file installed;
+5. with --dev, Debian's chromium and chromium-driver via apt-get when missing and run as root
+   (the demo's browser test), else a note that the test will be skipped.
 A second run reads the stamp, finds nothing to do and returns in milliseconds.
 
 Environment: TORCH_BUILD=cpu|cuda overrides the detection; TORCH_INDEX_URL is passed to pip as
@@ -174,8 +176,26 @@ def install_requirements(names):
     run([str(venv_python()), "-m", "pip", "install", "-q", *files], f"installing {', '.join(names)}")
 
 
+def install_browser():
+    """The demo's browser test drives Debian's chromium and chromium-driver: installed with apt
+    where this runs as root with apt-get (CI, containers); elsewhere the test says it is skipped."""
+    if shutil.which("chromium") and shutil.which("chromedriver"):
+        return
+    if not shutil.which("apt-get") or os.geteuid() != 0:
+        say("no chromium/chromedriver: the browser test will be skipped (apt-get install chromium chromium-driver)")
+        return
+    say("installing chromium and chromium-driver with apt (the demo's browser test)")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for command in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "chromium", "chromium-driver"]):
+        if subprocess.run(command, env=env, stdout=subprocess.DEVNULL).returncode != 0:
+            say(f"warning: {' '.join(command)} failed; the browser test will be skipped")
+            return
+
+
 def setup(dev):
     started = time.monotonic()
+    if dev:
+        install_browser()
     build, reason = torch_build()
     files = wanted_files(dev)
     stamp = read_stamp() if venv_python().exists() else {}

@@ -1,0 +1,194 @@
+"""One training forward step, opened up for looking at (the logic of `demo_training_flow.py`).
+
+For a sample of the training data at a chosen timestep: the image as training sees it (bucket
+resize, crop, flip, normalisation), the noised latents x_t (the training draws of that image,
+noise offset included, at that timestep), the UNet's estimate of the clean image x0, the loss
+training would compute there, and per-token cross-attention heatmaps. Everything comes from the
+code training runs (loading, precision policy, data, draws, conditioning, loss), under no_grad.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .config import Config
+from .sigma_schedules import ZERO_SNR_LAST_ALPHA_BAR
+
+if TYPE_CHECKING:
+    from diffusers import DDPMScheduler, StableDiffusionXLPipeline
+
+
+@dataclass
+class FlowModels:
+    """What the forward step needs: the pipeline placed as training places it, and the noise scheduler."""
+
+    config: Config
+    pipe: StableDiffusionXLPipeline
+    scheduler: DDPMScheduler
+    device: torch.device
+
+
+@dataclass
+class FlowResult:
+    """One forward step at one timestep, as pictures in [0, 1] (height, width, 3) and numbers."""
+
+    timestep: int
+    input_image: Any  # np.ndarray
+    noisy_image: Any
+    predicted_image: Any
+    loss: float
+    tokens: list[str]  # the caption's tokens, start and end tokens included
+    heatmaps: torch.Tensor  # [tokens, height, width] in [0, 1]
+    predicted_latents: torch.Tensor = field(repr=False)
+
+
+def load_flow_models(config: Config, adapter: str | Path | None = None, device: str | None = None) -> FlowModels:
+    """The model as training loads it: `model.*`, with the trained adapter merged in (`adapter`:
+    a run's output folder or file), placed by the precision policy on the GPU if there is one."""
+    from .adapter_files import adapter_files, load_adapter_into
+    from .diffusion import make_noise_scheduler
+    from .models import load_pipeline
+    from .precision import place_pipeline, plan_precision
+
+    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    pipe = load_pipeline(config.model)
+    if adapter is not None:  # the diffusers/peft file where a folder holds both formats
+        load_adapter_into(pipe, adapter_files(adapter)[0][0])
+    place_pipeline(pipe, plan_precision(config, target.type), target)
+    scheduler = make_noise_scheduler(pipe.scheduler.config, config.training.prediction_type,
+                                     config.training.zero_terminal_snr)
+    return FlowModels(config, pipe, scheduler, target)
+
+
+def pick_samples(config: Config, count: int) -> list[dict]:
+    """The first `count` images of the data, each as training renders it at epoch 0 (bucket,
+    crop, flip and caption transforms from the same code and seed)."""
+    from .data import ImageCaptionDataset
+    from .data_plan import plan_dataset
+
+    plan = plan_dataset(config.data, config.training.batch_size)
+    dataset = ImageCaptionDataset(plan.scan.images, plan.targets, config.data, config.training.seed or 0)
+    return [dataset[(index, 0)] for index in range(min(count, len(plan.scan.images)))]
+
+
+def predicted_original(scheduler: DDPMScheduler, noisy: torch.Tensor, output: torch.Tensor,
+                       timestep: int) -> torch.Tensor:
+    """x0 from the UNet's output: (x_t − √(1−ᾱ)·ε)/√ᾱ for epsilon, √ᾱ·x_t − √(1−ᾱ)·v for
+    v-prediction. Zero-terminal SNR has ᾱ = 0 at the last timestep, where an epsilon model cannot
+    say anything about x0: ᾱ is held at ComfyUI's tiny value there instead of dividing by zero."""
+    alpha_bar = float(scheduler.alphas_cumprod[timestep])
+    if scheduler.config.prediction_type == "v_prediction":
+        return alpha_bar**0.5 * noisy - (1 - alpha_bar) ** 0.5 * output
+    alpha_bar = max(alpha_bar, ZERO_SNR_LAST_ALPHA_BAR)
+    return (noisy - (1 - alpha_bar) ** 0.5 * output) / alpha_bar**0.5
+
+
+class CrossAttentionCapture:
+    """An attention processor for `attn2` (cross-attention) layers that records the attention of
+    every image position to every token (averaged over heads) and hands the computation itself to
+    the layer's own processor, so the UNet's output is the one without capture."""
+
+    def __init__(self, inner: Any, records: list[torch.Tensor]) -> None:
+        self.inner, self.records = inner, records
+
+    def __call__(self, attn: Any, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor | None = None,
+                 attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        query = attn.head_to_batch_dim(attn.to_q(hidden_states))
+        key = attn.head_to_batch_dim(attn.to_k(encoder_hidden_states))
+        probs = attn.get_attention_scores(query, key, None)  # [batch·heads, positions, tokens]
+        self.records.append(probs.reshape(hidden_states.shape[0], attn.heads, *probs.shape[1:]).mean(1).float())
+        return self.inner(attn, hidden_states, encoder_hidden_states, attention_mask, **kwargs)
+
+
+@contextlib.contextmanager
+def capture_cross_attention(unet: torch.nn.Module) -> Iterator[list[torch.Tensor]]:
+    """Record the cross-attention maps of one forward; every processor is restored afterwards."""
+    original = unet.attn_processors
+    records: list[torch.Tensor] = []
+    unet.set_attn_processor({name: CrossAttentionCapture(processor, records) if ".attn2." in name else processor
+                             for name, processor in original.items()})
+    try:
+        yield records
+    finally:
+        unet.set_attn_processor(original)
+
+
+def token_heatmaps(records: list[torch.Tensor], latent_size: tuple[int, int], token_count: int) -> torch.Tensor:
+    """[tokens, h, w] at the latent size: the layers of the highest resolution averaged, each
+    token's map scaled to [0, 1] (the start token, which takes most attention, is left out of the
+    common scale and gets its own)."""
+    height, width = latent_size
+    finest = max(record.shape[1] for record in records)
+    maps = torch.stack([record[0] for record in records if record.shape[1] == finest]).mean(0)  # [pos, tokens]
+    scale = round((height * width / finest) ** 0.5)
+    grid = maps[:, :token_count].T.reshape(token_count, height // scale, width // scale)
+    grid = torch.nn.functional.interpolate(grid[None], size=(height, width), mode="bilinear")[0]
+    words = grid[1:]
+    normalised = torch.cat([grid[:1] / grid[:1].max().clamp(min=1e-12), words / words.max().clamp(min=1e-12)])
+    return normalised.clamp(0, 1)
+
+
+def caption_tokens(pipe: StableDiffusionXLPipeline, caption: str) -> list[str]:
+    """The caption's tokens as CLIP-L's tokenizer splits it, up to and including the end token."""
+    tokenizer = pipe.tokenizer
+    ids = tokenizer(caption, truncation=True, max_length=tokenizer.model_max_length).input_ids
+    return [tokenizer.convert_ids_to_tokens(token).replace("</w>", "") for token in ids]
+
+
+def forward_at(models: FlowModels, sample: dict, timestep: int) -> FlowResult:
+    """The training forward step for `sample` at `timestep`, with what it shows."""
+    from .data import collate
+    from .diffusion import (
+        DrawSettings,
+        LossModels,
+        LossSettings,
+        conditioning,
+        huber_c,
+        loss_weights,
+        noised_input_and_target,
+        per_sample_loss,
+        sample_draws,
+        scaled_latents,
+    )
+
+    config, pipe, scheduler, device = models.config, models.pipe, models.scheduler, models.device
+    batch = collate([sample])
+    height, width = batch["target_sizes"][0].tolist()
+    draws = sample_draws(batch["keys"], config.training.seed or 0, (1, pipe.unet.config.in_channels, height // 8,
+                         width // 8), DrawSettings.of(config.training, scheduler.config.num_train_timesteps))
+    draws.timesteps = torch.tensor([timestep])
+    settings = LossSettings.of(config.training)
+    with torch.no_grad():
+        latents = scaled_latents(pipe.vae, batch, draws.posterior_noise, device)
+        noisy, target = noised_input_and_target(scheduler, latents, draws, device)
+        with capture_cross_attention(pipe.unet) as records:
+            output = pipe.unet(noisy.to(pipe.unet.dtype), draws.timesteps.to(device),
+                               **conditioning(LossModels.of(pipe), batch, device)).sample.float()
+        timesteps = draws.timesteps.to(device)
+        threshold = huber_c(scheduler, timesteps, settings) if settings.loss_type != "l2" else None
+        loss = per_sample_loss(output, target, settings.loss_type, threshold)
+        weights = loss_weights(scheduler, timesteps, settings)
+        x0 = predicted_original(scheduler, noisy, output, timestep)
+        tokens = caption_tokens(pipe, batch["captions"][0])
+        return FlowResult(timestep, _picture(batch["pixel_values"][0] / 2 + 0.5), _decode(pipe, noisy),
+                          _decode(pipe, x0), float(loss * weights if weights is not None else loss), tokens,
+                          token_heatmaps(records, (height // 8, width // 8), len(tokens)).cpu(), x0)
+
+
+def _decode(pipe: StableDiffusionXLPipeline, latents: torch.Tensor) -> Any:
+    """Latents → picture with the VAE in fp32 and its own scaling factor (as eval decodes)."""
+    from .evaluation import fp32_vae
+
+    vae = fp32_vae(pipe.vae)
+    decoded = vae.decode(latents.to(vae.device, torch.float32) / vae.config.scaling_factor).sample[0]
+    return _picture(decoded / 2 + 0.5)
+
+
+def _picture(image: torch.Tensor) -> Any:
+    return image.float().clamp(0, 1).permute(1, 2, 0).cpu().numpy()

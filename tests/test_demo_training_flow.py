@@ -1,0 +1,177 @@
+"""The training-flow demo: its maths against diffusers' own scheduler, the cross-attention capture
+(restored, output unchanged), the heatmaps, the Gradio page through gradio_client, and the page
+driven in a real browser (Debian's chromium and chromium-driver, with selenium)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sdxl_trainer.config import load_config
+from sdxl_trainer.diffusion import make_noise_scheduler, training_target
+from sdxl_trainer.training_flow import (
+    capture_cross_attention,
+    forward_at,
+    load_flow_models,
+    pick_samples,
+    predicted_original,
+)
+from tests.helpers import ROOT, free_port
+from tests.test_training_core import SDXL_SCHEDULER
+
+
+@pytest.fixture(scope="module")
+def flow(tiny_sdxl_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    config = load_config(ROOT / "configs" / "quickstart.json",
+                         [f"data.image_dir={ROOT / 'data' / 'images'}"])
+    return load_flow_models(config), pick_samples(config, 3)
+
+
+@pytest.mark.parametrize("prediction", ["epsilon", "v_prediction"])
+def test_x0_is_the_schedulers_own_estimate_and_a_perfect_prediction_gives_x0(prediction: str) -> None:
+    # diffusers' own x0, unclipped (latents are not in [-1, 1]; training never clips)
+    scheduler = make_noise_scheduler({**SDXL_SCHEDULER, "clip_sample": False}, prediction, False)
+    scheduler.set_timesteps(1000)
+    generator = torch.Generator().manual_seed(3)
+    latents, noise, output = (torch.randn(1, 4, 8, 8, generator=generator) for _ in range(3))
+    for timestep in (10, 500, 990):
+        t = torch.tensor([timestep])
+        noisy = scheduler.add_noise(latents, noise, t)
+        expected = scheduler.step(output, timestep, noisy).pred_original_sample
+        torch.testing.assert_close(predicted_original(scheduler, noisy, output, timestep), expected,
+                                   rtol=1e-5, atol=1e-5)
+        perfect = training_target(scheduler, latents, noise, t)
+        torch.testing.assert_close(predicted_original(scheduler, noisy, perfect, timestep), latents,
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_zero_terminal_snr_last_step_gives_finite_estimates() -> None:
+    for prediction in ("epsilon", "v_prediction"):
+        scheduler = make_noise_scheduler(SDXL_SCHEDULER, prediction, True)
+        assert float(scheduler.alphas_cumprod[-1]) == 0.0
+        x0 = predicted_original(scheduler, torch.randn(1, 4, 8, 8), torch.randn(1, 4, 8, 8), 999)
+        assert torch.isfinite(x0).all()
+
+
+def test_capture_leaves_the_output_and_the_processors_as_they_were(flow) -> None:
+    from sdxl_trainer.data import collate
+    from sdxl_trainer.diffusion import LossModels, conditioning
+
+    models, samples = flow
+    unet = models.pipe.unet
+    before = dict(unet.attn_processors)
+    batch = collate([samples[0]])
+    height, width = batch["target_sizes"][0].tolist()
+    latents = torch.randn(1, 4, height // 8, width // 8, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        kwargs = conditioning(LossModels.of(models.pipe), batch, "cpu")
+        plain = unet(latents, torch.tensor([300]), **kwargs).sample
+        with capture_cross_attention(unet) as records:
+            captured = unet(latents, torch.tensor([300]), **kwargs).sample
+    assert torch.equal(plain, captured)
+    assert len(records) == sum(".attn2." in name for name in before) > 0  # attn2 layers only
+    assert all(record.shape[-1] == 77 for record in records)
+    assert dict(unet.attn_processors) == before
+
+
+def test_heatmaps_have_the_images_aspect_and_are_normalised(flow) -> None:
+    models, samples = flow
+    result = forward_at(models, samples[1], 400)
+    height, width = result.input_image.shape[:2]
+    assert result.heatmaps.shape == (len(result.tokens), height // 8, width // 8) and height != width
+    assert result.tokens[0] == "<|startoftext|>" and result.tokens[-1] == "<|endoftext|>"
+    peaks = result.heatmaps.amax(dim=(1, 2))
+    assert peaks[0].item() == pytest.approx(1.0) and peaks[1:].max().item() == pytest.approx(1.0)
+    assert (result.heatmaps >= 0).all() and (result.heatmaps <= 1).all()
+    # the same training draws at another timestep: another noised image, the same input
+    other = forward_at(models, samples[1], 900)
+    assert np.array_equal(other.input_image, result.input_image)
+    assert not np.array_equal(other.noisy_image, result.noisy_image) and result.loss != other.loss
+
+
+def test_the_page_answers_gradio_client(flow) -> None:
+    pytest.importorskip("gradio")
+    from gradio_client import Client
+
+    import demo_training_flow
+
+    models, samples = flow
+    demo = demo_training_flow.build_demo(models, samples)
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True)
+    try:
+        client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+        labels = client.view_api(print_info=False, return_format="dict")["named_endpoints"]["/render"]["parameters"]
+        choices = labels[0]["python_type"]["type"]
+        assert "Literal" in choices
+        first = client.predict(choices.split("'")[1], 200, None, api_name="/render")
+        later = client.predict(choices.split("'")[1], 800, None, api_name="/render")
+    finally:
+        demo.close()
+    assert all(Path(image).is_file() for image in first[:4])
+    assert first[4].startswith("timestep 200: loss ") and later[4].startswith("timestep 800: loss ")
+    assert Path(first[1]).read_bytes() != Path(later[1]).read_bytes()  # x_t changes with the timestep
+
+
+def test_a_real_browser_drives_the_page(flow, tmp_path: Path) -> None:
+    """Headless chromium: choose a sample, move the timestep, pick a token; the images change."""
+    pytest.importorskip("gradio")
+    webdriver = pytest.importorskip("selenium.webdriver")
+    if not (shutil.which("chromium") and shutil.which("chromedriver")):
+        pytest.skip("needs Debian's chromium and chromium-driver (make test installs them with apt where it can)")
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    import demo_training_flow
+
+    models, samples = flow
+    demo = demo_training_flow.build_demo(models, samples)
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True)
+    options = webdriver.ChromeOptions()
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
+        options.add_argument(flag)
+    options.binary_location = shutil.which("chromium")
+    browser = webdriver.Chrome(service=webdriver.ChromeService(shutil.which("chromedriver")), options=options)
+    wait = WebDriverWait(browser, 120)
+
+    def image_sources() -> list[str]:
+        return [element.get_attribute("src") or "" for element in browser.find_elements(By.CSS_SELECTOR, "img")]
+
+    def loss_text() -> str:
+        return browser.find_element(By.CSS_SELECTOR, "#loss textarea").get_attribute("value")
+
+    try:
+        browser.get(f"http://127.0.0.1:{port}/")
+        wait.until(lambda _: loss_text().startswith("timestep 500"))
+        start = image_sources()
+        slider = browser.find_element(By.CSS_SELECTOR, "#timestep input[type=range]")
+        # drag the handle most of the way right and let go: the page renders on release
+        ActionChains(browser).click_and_hold(slider).move_by_offset(slider.size["width"] * 0.4, 0).release().perform()
+        wait.until(lambda _: not loss_text().startswith("timestep 500"))
+        assert int(loss_text().split()[1].rstrip(":")) > 800
+        after_timestep = image_sources()
+        assert after_timestep != start
+        sample = browser.find_element(By.CSS_SELECTOR, "#sample input")
+        sample.click()
+        options_shown = wait.until(lambda _: browser.find_elements(By.CSS_SELECTOR, "ul[role=listbox] li"))
+        options_shown[2].click()
+        wait.until(lambda _: image_sources() != after_timestep)
+        after_sample = image_sources()
+        token = browser.find_element(By.CSS_SELECTOR, "#token input")
+        token.click()
+        tokens_shown = wait.until(lambda _: browser.find_elements(By.CSS_SELECTOR, "ul[role=listbox] li"))
+        tokens_shown[2].click()
+        wait.until(lambda _: image_sources() != after_sample)
+        browser.save_screenshot(str(tmp_path / "page.png"))
+        time.sleep(0.1)
+    finally:
+        browser.quit()
+        demo.close()
+    assert (tmp_path / "page.png").stat().st_size > 10_000
