@@ -48,15 +48,12 @@ def eval_backend(eval_config: EvalConfig) -> str:
 
 def check_comfyui_sampler(sampler_name: str, schedule: str, steps: int) -> None:
     """Config-time check of a kdiffusion-backend choice."""
-    sampler = ALIASES.get(sampler_name, sampler_name)
-    if sampler not in SAMPLERS:
-        match = closest(sampler, SAMPLERS)
-        raise ConfigError(f'eval.sampler_name = "{sampler_name}": not a sampler of eval.backend "kdiffusion"'
-                          + (f' (did you mean "{match}"?)' if match else "") + f"; valid: {', '.join(SAMPLERS)}")
-    if schedule not in SCHEDULE_NAMES:
-        match = closest(schedule, SCHEDULE_NAMES)
-        raise ConfigError(f'eval.scheduler = "{schedule}": not a schedule of eval.backend "kdiffusion"'
-                          + (f' (did you mean "{match}"?)' if match else "") + f"; valid: {', '.join(SCHEDULE_NAMES)}")
+    for key, kind, name, valid in (("sampler_name", "sampler", ALIASES.get(sampler_name, sampler_name), SAMPLERS),
+                                   ("scheduler", "schedule", schedule, SCHEDULE_NAMES)):
+        if name not in valid:
+            match = closest(name, valid)
+            raise ConfigError(f'eval.{key} = "{name}": not a {kind} of eval.backend "kdiffusion"'
+                              + (f' (did you mean "{match}"?)' if match else "") + f"; valid: {', '.join(valid)}")
     if schedule == "kl_optimal" and steps < 2:
         raise ConfigError('eval.scheduler = "kl_optimal" needs eval.num_inference_steps >= 2 '
                           "(one step divides by zero, in ComfyUI too)")

@@ -4,6 +4,7 @@ reported before any model is loaded."""
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -29,9 +30,14 @@ class DatasetPlan:
     def sampler(self, seed: int, rank: int = 0) -> BucketBatchSampler:
         return BucketBatchSampler(self.targets, self.batch_sizes, self.drop_last, seed, self.world_size, rank)
 
+    @functools.cached_property
+    def epoch_batches(self) -> list[list[int]]:
+        """One epoch's global batches (their number and sizes are the same in every epoch)."""
+        return self.sampler(seed=0).batches(epoch=0)
+
     @property
     def batches_per_epoch(self) -> int:
-        return len(self.sampler(seed=0).batches(epoch=0))
+        return len(self.epoch_batches)
 
     def bucket_rows(self) -> list[tuple[str, int, int, int, int]]:
         """(resolution, images, batch size, batches, images dropped) per bucket."""

@@ -293,6 +293,15 @@ def conditioning(models: LossModels, batch: dict, device) -> dict[str, torch.Ten
             "added_cond_kwargs": {"text_embeds": pooled_embeds, "time_ids": time_ids}}
 
 
+def weighted_loss(scheduler: DDPMScheduler, prediction: torch.Tensor, target: torch.Tensor,
+                  timesteps: torch.Tensor, settings: LossSettings) -> torch.Tensor:
+    """The batch's loss from the UNet's prediction: the configured loss per sample, weighted, averaged."""
+    threshold = huber_c(scheduler, timesteps, settings) if settings.loss_type != "l2" else None
+    per_sample = per_sample_loss(prediction, target, settings.loss_type, threshold)
+    weights = loss_weights(scheduler, timesteps, settings)
+    return (per_sample * weights).mean() if weights is not None else per_sample.mean()
+
+
 def noised_input_and_target(scheduler: DDPMScheduler, latents: torch.Tensor, draws: Draws,
                             device) -> tuple[torch.Tensor, torch.Tensor]:
     """The UNet's noised input and what it should predict. With input perturbation the input is
@@ -311,7 +320,4 @@ def diffusion_loss(models: LossModels, scheduler: DDPMScheduler, batch: dict, dr
     timesteps = draws.timesteps.to(device)
     noisy_latents, target = noised_input_and_target(scheduler, latents, draws, device)
     prediction = models.unet(noisy_latents, timesteps, **conditioning(models, batch, device)).sample
-    threshold = huber_c(scheduler, timesteps, settings) if settings.loss_type != "l2" else None
-    per_sample = per_sample_loss(prediction, target, settings.loss_type, threshold)
-    weights = loss_weights(scheduler, timesteps, settings)
-    return (per_sample * weights).mean() if weights is not None else per_sample.mean()
+    return weighted_loss(scheduler, prediction, target, timesteps, settings)

@@ -101,7 +101,7 @@ def run_evaluation(
             torch.random.default_generator.manual_seed(prompt.seed)
             latents = comfyui_latents(pipe, eval_config, prompt) if comfyui else _diffusers_latents(
                 pipe, eval_config, prompt)
-            images.append(_decode(pipe, vae, latents))
+            images.append(decode_latents(pipe, vae, latents))
 
     reasons = [check_image(image) for image in images]
     pictures = [_to_uint8(image) for image in images]
@@ -141,7 +141,7 @@ def _diffusers_latents(pipe: StableDiffusionXLPipeline, eval_config: EvalConfig,
     ).images
 
 
-def _decode(pipe: StableDiffusionXLPipeline, vae: AutoencoderKL, latents: torch.Tensor) -> np.ndarray:
+def decode_latents(pipe: StableDiffusionXLPipeline, vae: AutoencoderKL, latents: torch.Tensor) -> np.ndarray:
     """One image as floats in [0, 1] (height, width, 3), NaN kept. The latents are decoded here
     rather than by the pipeline, which decodes in the VAE's own dtype (and on MPS casts the VAE
     to the latents' fp16)."""

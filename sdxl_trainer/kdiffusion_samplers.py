@@ -95,15 +95,27 @@ def sample_euler(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, noise
     return x
 
 
-def sample_euler_ancestral(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, noise: Noise) -> torch.Tensor:
+def _ancestral(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, noise: Noise,
+               step: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """The ancestral scheme: each step goes deterministically to σ_down with `step(denoise, x,
+    σ, σ_down, denoised)`, then adds fresh noise of size σ_up (none after the last step)."""
     for sigma, sigma_next in itertools.pairwise(sigmas):
         denoised = denoise(x, sigma)
         sigma_down, sigma_up = ancestral_step(sigma, sigma_next)
-        if sigma_down == 0:
-            x = denoised
-        else:
-            x = x + derivative(x, sigma, denoised) * (sigma_down - sigma) + noise(sigma, sigma_next) * sigma_up
+        x = step(denoise, x, sigma, sigma_down, denoised)
+        if sigma_next > 0:
+            x = x + noise(sigma, sigma_next) * sigma_up
     return x
+
+
+def _euler_step(denoise: Denoiser, x: torch.Tensor, sigma: torch.Tensor, target: torch.Tensor,
+                denoised: torch.Tensor) -> torch.Tensor:
+    """From σ to `target` along the derivative at σ; at 0 that is the model's estimate itself."""
+    return denoised if target == 0 else x + derivative(x, sigma, denoised) * (target - sigma)
+
+
+def sample_euler_ancestral(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, noise: Noise) -> torch.Tensor:
+    return _ancestral(denoise, x, sigmas, noise, _euler_step)
 
 
 def sample_heun(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, noise: Noise | None) -> torch.Tensor:
@@ -137,12 +149,7 @@ def sample_dpm_2(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, noise
 
 
 def sample_dpm_2_ancestral(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, noise: Noise) -> torch.Tensor:
-    for sigma, sigma_next in itertools.pairwise(sigmas):
-        denoised = denoise(x, sigma)
-        sigma_down, sigma_up = ancestral_step(sigma, sigma_next)
-        x = _dpm_2_step(denoise, x, sigma, sigma_down, denoised)
-        x = x + noise(sigma, sigma_next) * sigma_up
-    return x
+    return _ancestral(denoise, x, sigmas, noise, _dpm_2_step)
 
 
 def _lms_coefficient(order: int, sigmas: list[float], i: int, j: int) -> float:
@@ -175,21 +182,20 @@ def sample_lms(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, noise: 
     return x
 
 
+def _dpmpp_2s_step(denoise: Denoiser, x: torch.Tensor, sigma: torch.Tensor, target: torch.Tensor,
+                   denoised: torch.Tensor) -> torch.Tensor:
+    """DPM-Solver++(2S): from σ to `target` with a second model call halfway in λ (Euler to 0)."""
+    if target == 0:
+        return x + derivative(x, sigma, denoised) * (target - sigma)
+    t, t_next = _lambda(sigma), _lambda(target)
+    h = t_next - t
+    s = t + h / 2
+    x_mid = (_sigma(s) / _sigma(t)) * x - (-h / 2).expm1() * denoised
+    return (_sigma(t_next) / _sigma(t)) * x - (-h).expm1() * denoise(x_mid, _sigma(s))
+
+
 def sample_dpmpp_2s_ancestral(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, noise: Noise) -> torch.Tensor:
-    for sigma, sigma_next in itertools.pairwise(sigmas):
-        denoised = denoise(x, sigma)
-        sigma_down, sigma_up = ancestral_step(sigma, sigma_next)
-        if sigma_down == 0:
-            x = x + derivative(x, sigma, denoised) * (sigma_down - sigma)
-        else:
-            t, t_next = _lambda(sigma), _lambda(sigma_down)
-            h = t_next - t
-            s = t + h / 2
-            x_mid = (_sigma(s) / _sigma(t)) * x - (-h / 2).expm1() * denoised
-            x = (_sigma(t_next) / _sigma(t)) * x - (-h).expm1() * denoise(x_mid, _sigma(s))
-        if sigma_next > 0:
-            x = x + noise(sigma, sigma_next) * sigma_up
-    return x
+    return _ancestral(denoise, x, sigmas, noise, _dpmpp_2s_step)
 
 
 def sample_dpmpp_sde(denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, noise: Noise,

@@ -127,7 +127,7 @@ def describe_plan(config: Config, data_plan: DatasetPlan, total_steps: int) -> s
     ]
     steps_per_epoch = data_plan.batches_per_epoch / config.training.grad_accum_steps
     # What batches hold: a bucket with fewer images than its batch size makes smaller batches.
-    sizes = sorted({len(batch) // data_plan.world_size for batch in data_plan.sampler(seed=0).batches(epoch=0)})
+    sizes = sorted({len(batch) // data_plan.world_size for batch in data_plan.epoch_batches})
     per_process = "/".join(str(size) for size in sizes)
     global_batch = "/".join(str(size * data_plan.world_size * config.training.grad_accum_steps) for size in sizes)
     return "\n".join([

@@ -149,13 +149,12 @@ def forward_at(models: FlowModels, sample: dict, timestep: int) -> FlowResult:
         LossModels,
         LossSettings,
         conditioning,
-        huber_c,
-        loss_weights,
         noised_input_and_target,
-        per_sample_loss,
         sample_draws,
         scaled_latents,
+        weighted_loss,
     )
+    from .evaluation import decode_latents, fp32_vae
 
     config, pipe, scheduler, device = models.config, models.pipe, models.scheduler, models.device
     batch = collate([sample])
@@ -163,32 +162,17 @@ def forward_at(models: FlowModels, sample: dict, timestep: int) -> FlowResult:
     draws = sample_draws(batch["keys"], config.training.seed or 0, (1, pipe.unet.config.in_channels, height // 8,
                          width // 8), DrawSettings.of(config.training, scheduler.config.num_train_timesteps))
     draws.timesteps = torch.tensor([timestep])
-    settings = LossSettings.of(config.training)
     with torch.no_grad():
         latents = scaled_latents(pipe.vae, batch, draws.posterior_noise, device)
         noisy, target = noised_input_and_target(scheduler, latents, draws, device)
         with capture_cross_attention(pipe.unet) as records:
             output = pipe.unet(noisy.to(pipe.unet.dtype), draws.timesteps.to(device),
                                **conditioning(LossModels.of(pipe), batch, device)).sample.float()
-        timesteps = draws.timesteps.to(device)
-        threshold = huber_c(scheduler, timesteps, settings) if settings.loss_type != "l2" else None
-        loss = per_sample_loss(output, target, settings.loss_type, threshold)
-        weights = loss_weights(scheduler, timesteps, settings)
+        loss = weighted_loss(scheduler, output, target, draws.timesteps.to(device), LossSettings.of(config.training))
         x0 = predicted_original(scheduler, noisy, output, timestep)
         tokens = caption_tokens(pipe, batch["captions"][0])
-        return FlowResult(timestep, _picture(batch["pixel_values"][0] / 2 + 0.5), _decode(pipe, noisy),
-                          _decode(pipe, x0), float(loss * weights if weights is not None else loss), tokens,
-                          token_heatmaps(records, (height // 8, width // 8), len(tokens)).cpu(), x0)
-
-
-def _decode(pipe: StableDiffusionXLPipeline, latents: torch.Tensor) -> Any:
-    """Latents → picture with the VAE in fp32 and its own scaling factor (as eval decodes)."""
-    from .evaluation import fp32_vae
-
-    vae = fp32_vae(pipe.vae)
-    decoded = vae.decode(latents.to(vae.device, torch.float32) / vae.config.scaling_factor).sample[0]
-    return _picture(decoded / 2 + 0.5)
-
-
-def _picture(image: torch.Tensor) -> Any:
-    return image.float().clamp(0, 1).permute(1, 2, 0).cpu().numpy()
+        vae = fp32_vae(pipe.vae)  # decoded as eval decodes: fp32, the VAE's own scaling factor
+        picture = (batch["pixel_values"][0] / 2 + 0.5).clamp(0, 1).permute(1, 2, 0).numpy()
+        heatmaps = token_heatmaps(records, (height // 8, width // 8), len(tokens)).cpu()
+        return FlowResult(timestep, picture, decode_latents(pipe, vae, noisy), decode_latents(pipe, vae, x0),
+                          float(loss), tokens, heatmaps, x0)
