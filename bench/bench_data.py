@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         start = time.perf_counter()
         plan = dataset.plan_dataset(config, batch_size=1)
         scan_seconds = time.perf_counter() - start
-        plain = dataset.ImageCaptionDataset(plan.scan.images, plan.targets, config, seed=0)
+        plain = dataset.ImageCaptionDataset(plan.samples, config, seed=0)
         rows = []
         for workers in (0, 2):
             seconds = best_of(lambda workers=workers: epoch(plain, plan, workers), 3)
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         start = time.perf_counter()
         dataset.build_latent_cache(plan, config, cache, vae, "cpu")
         build = time.perf_counter() - start
-        cached = epoch(dataset.ImageCaptionDataset(plan.scan.images, plan.targets, config, seed=0, cache=cache),
+        cached = epoch(dataset.ImageCaptionDataset(plan.samples, config, seed=0, cache=cache),
                        plan, 0)
         entry_bytes = np.mean([p.stat().st_size for p in Path(config.latent_cache.cache_dir).rglob("*.safetensors")])
         rows += [

@@ -159,7 +159,7 @@ class BareLoop:
         plan = plan_dataset(config.data, 1)
         cache = make_latent_cache(config, vae_fingerprint(pipe.vae.state_dict().values()))
         self.loader = torch.utils.data.DataLoader(
-            ImageCaptionDataset(plan.scan.images, plan.targets, config.data, 42, cache),
+            ImageCaptionDataset(plan.samples, config.data, 42, cache),
             batch_sampler=plan.sampler(42), collate_fn=collate, num_workers=0)
         self.batches = self._forever()
 

@@ -1,17 +1,35 @@
-"""Captions: reading an image's same-stem `.txt` file, and augmenting the caption each epoch
-(dropout to the empty prompt, shuffling its parts)."""
+"""Captions: reading an image's caption from where its folder says (a same-stem text file, the
+folder's `metadata.jsonl`, or the file name), and augmenting it each epoch (dropout to the empty
+prompt, shuffling its parts)."""
 
 from __future__ import annotations
 
+import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 
-from .config import DataConfig
+from .config import ConfigError, FolderOptions
+
+METADATA_FILE = "metadata.jsonl"
+
+CaptionReader = Callable[[Path], tuple[str, str | None]]
 
 
-def read_caption(image_path: Path) -> tuple[str, str | None]:
-    """The caption next to an image ("" when missing), or a problem that makes it unusable."""
-    caption_path = image_path.with_suffix(".txt")
+def caption_reader(folder: FolderOptions) -> CaptionReader:
+    """A function giving each image of `folder` its caption ("" when it has none) and the problem
+    that makes the image unusable, if any."""
+    if folder.caption_source == "metadata":
+        captions = read_metadata(Path(folder.image_dir) / METADATA_FILE)
+        root = Path(folder.image_dir)
+        return lambda path: (captions.get(path.relative_to(root).as_posix(), ""), None)
+    if folder.caption_source == "filename":
+        return lambda path: (path.stem.replace("_", " ").strip(), None)
+    return lambda path: read_caption_file(path.with_suffix(folder.caption_extension))
+
+
+def read_caption_file(caption_path: Path) -> tuple[str, str | None]:
+    """The text of a caption file ("" when missing), or a problem that makes its image unusable."""
     if not caption_path.is_file():
         return "", None
     try:
@@ -20,15 +38,37 @@ def read_caption(image_path: Path) -> tuple[str, str | None]:
         return "", f"caption {caption_path.name} is not UTF-8 text"
 
 
-def augment_caption(caption: str, data: DataConfig, rng: random.Random) -> str:
+def read_metadata(path: Path) -> dict[str, str]:
+    """`metadata.jsonl` as {file_name: text}; a line that is not such an object is a ConfigError
+    naming the file and the line (the whole folder's captions depend on it)."""
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such file (caption_source is \"metadata\")")
+    captions = {}
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{path}, line {number}: not JSON ({exc.msg})") from None
+        if not isinstance(entry, dict) or not isinstance(entry.get("file_name"), str):
+            raise ConfigError(f"{path}, line {number}: needs a \"file_name\" string")
+        text = entry.get("text", "")
+        if not isinstance(text, str):
+            raise ConfigError(f"{path}, line {number}: \"text\" must be a string")
+        captions[Path(entry["file_name"]).as_posix()] = text.strip()
+    return captions
+
+
+def augment_caption(caption: str, options: FolderOptions, rng: random.Random) -> str:
     """Caption dropout (whole caption → empty, the unconditional prompt) and part shuffling
     that keeps the first `keep_tokens` parts in place."""
-    if rng.random() < data.caption_dropout_prob:
+    if rng.random() < options.caption_dropout_prob:
         return ""
-    separator = data.caption_shuffle_separator
+    separator = options.caption_shuffle_separator
     parts = [part.strip() for part in caption.split(separator) if part.strip()]
-    if len(parts) >= max(2, data.caption_shuffle_min_tokens) and rng.random() < data.caption_shuffle_prob:
-        head, tail = parts[: data.keep_tokens], parts[data.keep_tokens :]
+    if len(parts) >= max(2, options.caption_shuffle_min_tokens) and rng.random() < options.caption_shuffle_prob:
+        head, tail = parts[: options.keep_tokens], parts[options.keep_tokens :]
         rng.shuffle(tail)
         return f"{separator} ".join(head + tail)
     return caption

@@ -64,7 +64,8 @@ def identity(config: Config) -> dict[str, Any]:
 
 def soft_settings(config: Config, data_plan, total_steps: int) -> dict[str, Any]:
     """Settings that may change on resume, each with what the change means."""
-    images = sorted(f"{record.sha256}:{record.caption}" for record in data_plan.scan.images)
+    images = sorted(f"{s.record.sha256}:{s.record.caption}" + (f":{s.record.mask}" if s.record.mask else "")
+                    + (f":{s.loss_weight:g}" if s.loss_weight != 1.0 else "") for s in data_plan.samples)
     return {
         "dataset": hashlib.sha256("\n".join(images).encode()).hexdigest()[:16],
         "batch_sizes": sorted(f"{w}x{h}:{n}" for (w, h), n in data_plan.batch_sizes.items()),

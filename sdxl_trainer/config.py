@@ -236,6 +236,11 @@ class TrainingConfig(Section):
         "abort", description="On a non-finite loss/gradient: abort with a report, or skip the step."
     )
     max_nan_skips: PositiveInt = Field(10, description="Consecutive skipped steps before aborting.")
+    prior_loss_weight: float = Field(
+        1.0, ge=0.0, description="Weight of regularization images (`data.subsets[].is_reg`) in the loss.")
+    unmasked_weight: float = Field(
+        0.0, ge=0.0, le=1.0, description="Masked loss: the weight of the masked-out part (0 = ignored; e.g. 0.1 "
+        "keeps some of the background, as OneTrainer's option of this name).")
 
     @model_validator(mode="after")
     def _recipes_that_can_work(self) -> TrainingConfig:
@@ -316,23 +321,57 @@ class LatentCacheConfig(Section):
     )
 
 
-class DataConfig(Section):
-    image_dir: str = Field(
-        "./data/images", description="Folder of images (PNG/JPG/WebP) with same-stem `.txt` captions."
-    )
-    size: PositiveInt = Field(
-        1024, description="Target size: bucket area is `size²`; without buckets the longest side."
-    )
+class FolderOptions(Section):
+    """What a folder of training images is and how its captions and masks are read: the keys a
+    subset shares with `data` (a subset's unset keys take `data`'s values)."""
+
+    image_dir: str = Field("./data/images", description="Folder of images (PNG/JPG/WebP).")
+    recursive: bool = Field(False, description="Also read images in sub-folders of `image_dir`.")
+    caption_source: Literal["txt", "metadata", "filename"] = Field(
+        "txt", description="Where captions come from: a same-stem text file (`caption_extension`); "
+        "`metadata`: `image_dir/metadata.jsonl`, one JSON object per line with `file_name` (relative to "
+        "`image_dir`) and `text` (the Hugging Face imagefolder convention); `filename`: the file's name "
+        "without extension, underscores as spaces.")
+    caption_extension: str = Field(
+        ".txt", pattern=r"^\.[A-Za-z0-9_.-]+$", description="Extension of the caption files (e.g. `.caption`).")
     caption_dropout_prob: Probability = Field(0.0, description="Probability of dropping the whole caption.")
     caption_shuffle_prob: Probability = Field(0.0, description="Probability of shuffling the caption's parts.")
     caption_shuffle_separator: str = Field(",", min_length=1, description="Separator that splits a caption.")
     caption_shuffle_min_tokens: int = Field(2, ge=0, description="Minimum number of parts before shuffling applies.")
     keep_tokens: int = Field(0, ge=0, description="Leading parts never shuffled (trigger words).")
+    alpha_mask: bool = Field(
+        False, description="Masked loss: the image's alpha channel weights the loss (opaque = trained; "
+        "an image without alpha counts as fully opaque).")
+    mask_dir: str = Field(
+        "", description="Masked loss: a folder of grayscale masks named like the images (same relative path "
+        "and stem, any image extension; white = trained, black = ignored), each the size of its image.")
+
+    @model_validator(mode="after")
+    def _one_mask_source(self) -> FolderOptions:
+        if self.alpha_mask and self.mask_dir:
+            raise ValueError("alpha_mask and mask_dir are two mask sources; set one")
+        return self
+
+
+class SubsetConfig(FolderOptions):
+    """One folder of a multi-folder dataset (kohya's `[[datasets.subsets]]`, OneTrainer's concepts)."""
+
+    image_dir: str = Field(..., description="Folder of this subset's images.")
+    repeats: PositiveInt = Field(1, description="How many times each image is seen per epoch.")
+    is_reg: bool = Field(
+        False, description="Regularization (class) images for prior preservation: each epoch draws as many as "
+        "there are training images, cycling through them; their loss is weighted by `training.prior_loss_weight`.")
+    loss_weight: float = Field(1.0, gt=0.0, description="Weight of this subset's images in the loss.")
+
+
+class DataConfig(FolderOptions):
+    size: PositiveInt = Field(
+        1024, description="Target size: bucket area is `size²`; without buckets the longest side."
+    )
     random_flip: bool = Field(False, description="Horizontal flip augmentation.")
     crop: Literal["center", "random"] = Field(
         "center", description="Where images are cropped to their bucket: the center, or a new random place each epoch."
     )
-    recursive: bool = Field(False, description="Also read images in sub-folders of `image_dir`.")
     background_color: tuple[int, int, int] = Field(
         (255, 255, 255), description="RGB colour that transparent pixels are composited onto."
     )
@@ -342,6 +381,17 @@ class DataConfig(Section):
     num_workers: int = Field(2, ge=0, description="Data-loader worker processes.")
     bucket: BucketConfig = Field(default_factory=BucketConfig, description="Aspect-ratio buckets.")
     latent_cache: LatentCacheConfig = Field(default_factory=LatentCacheConfig, description="VAE latent cache.")
+    subsets: list[SubsetConfig] = Field(
+        default_factory=list, description="Several folders, each with its own repeats, captions and masks, "
+        "or regularization images; a subset's unset keys take the values of `data`. Empty: `data.image_dir` "
+        "is the one folder.")
+    validation_split: float = Field(
+        0.0, ge=0.0, le=0.5, description="Fraction of the training images held out for `val/loss` and never "
+        "trained on, the same images in every run with the same `training.seed`; 0 = `val/loss` is computed "
+        "on training images.")
+    validation_dir: str = Field(
+        "", description="A folder of held-out images (captions and masks read as `data` says) for `val/loss`; "
+        "instead of `validation_split`.")
 
     @field_validator("background_color")
     @classmethod
@@ -358,6 +408,32 @@ class DataConfig(Section):
                 'crop (use "center", or turn the cache off)'
             )
         return self
+
+    @model_validator(mode="after")
+    def _one_source_of_images(self) -> DataConfig:
+        if self.subsets and "image_dir" in self.model_fields_set:
+            raise _KeyError("data.image_dir", "is set together with data.subsets; give each subset its image_dir")
+        if self.subsets and all(subset.is_reg for subset in self.subsets):
+            raise _KeyError("data.subsets", "holds only regularization subsets (is_reg); add the training images")
+        if self.validation_split and self.validation_dir:
+            raise _KeyError("data.validation_split", "and data.validation_dir are two validation sets; set one")
+        return self
+
+    def folders(self) -> list[SubsetConfig]:
+        """The subsets with every unset key taken from `data`; without subsets, `data` itself as one."""
+        shared = self._folder_options()
+        if not self.subsets:
+            return [SubsetConfig(**shared)]
+        return [SubsetConfig(**{**shared, **subset.model_dump(exclude_unset=True)}) for subset in self.subsets]
+
+    def validation_folder(self) -> SubsetConfig | None:
+        """`validation_dir` read with `data`'s caption and mask settings, or None."""
+        if not self.validation_dir:
+            return None
+        return SubsetConfig(**{**self._folder_options(), "image_dir": self.validation_dir})
+
+    def _folder_options(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in FolderOptions.model_fields}
 
 
 # ----------------------------------------------------------------------------------- optimizer

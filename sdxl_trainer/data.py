@@ -1,4 +1,4 @@
-"""The training samples: one view of one image per (image index, epoch), either rendered from
+"""The training samples: one view of one image per (sample index, epoch), either rendered from
 the image file or read from the latent cache, and filling that cache before training.
 
 Both paths plan the view the same way (`plan_crop`, `latent_key`), so the latents the cache holds
@@ -17,16 +17,16 @@ from tqdm.auto import tqdm
 from .captions import augment_caption
 from .config import DataConfig
 from .crops import CropPlan, plan_crop, render_view
-from .data_plan import DatasetPlan
-from .images import load_rgb, to_tensor
+from .data_plan import DatasetPlan, Sample
+from .images import load_mask, load_rgb, mask_to_latent_grid, to_tensor
 from .latent_cache import LatentCache, LatentKey, sample_latents
-from .scan import ImageRecord
+from .scan import ALPHA_MASK, ImageRecord
 
 
 def latent_key(record: ImageRecord, target: tuple[int, int], crop: CropPlan) -> LatentKey:
-    """The cache key of one view: the image's content, its target size and the crop."""
+    """The cache key of one view: the image's content (and its mask's), its target size and the crop."""
     width, height = target
-    return LatentKey(record.sha256, width, height, crop.top, crop.left, crop.flip)
+    return LatentKey(record.sha256, width, height, crop.top, crop.left, crop.flip, record.mask)
 
 
 def view_pixels(record: ImageRecord, target: tuple[int, int], crop: CropPlan, data: DataConfig) -> torch.Tensor:
@@ -35,45 +35,58 @@ def view_pixels(record: ImageRecord, target: tuple[int, int], crop: CropPlan, da
     return to_tensor(render_view(load_rgb(record.path, data.background_color), crop, width, height))
 
 
-class ImageCaptionDataset(Dataset):
-    """Indexed by (image index, epoch) so that augmentation is deterministic per epoch (and a
-    resumed run sees exactly the samples it would have seen). With a latent cache it returns
-    latents sampled from the cached distribution and never decodes the image."""
+def view_mask(record: ImageRecord, target: tuple[int, int], crop: CropPlan) -> torch.Tensor:
+    """One view's loss mask on the latent grid: the mask scaled, cropped and mirrored as the
+    image is (all ones for an image without a mask)."""
+    width, height = target
+    mask = load_mask(record.mask_path, record.mask == ALPHA_MASK) if record.mask else None
+    return mask_to_latent_grid(None if mask is None else render_view(mask, crop, width, height), width, height)
 
-    def __init__(self, records: list[ImageRecord], targets: list[tuple[int, int]], data: DataConfig, seed: int,
-                 cache: LatentCache | None = None):
-        self.records = records
-        self.targets = targets
+
+class ImageCaptionDataset(Dataset):
+    """Indexed by (sample index, epoch) so that augmentation is deterministic per epoch (and a
+    resumed run sees exactly the samples it would have seen). With a latent cache it returns
+    latents sampled from the cached distribution and never decodes the image. When any sample
+    has a mask, every sample carries one (all ones where it has none), so batches stack."""
+
+    def __init__(self, samples: list[Sample], data: DataConfig, seed: int, cache: LatentCache | None = None):
+        self.samples = samples
         self.data = data
         self.seed = seed
         self.cache = cache
+        self.masked = any(sample.record.mask for sample in samples)
 
     def __len__(self) -> int:
-        return len(self.records)
+        return len(self.samples)
 
     def __getitem__(self, key: tuple[int, int]) -> dict:
         index, epoch = key
-        record = self.records[index]
-        width, height = self.targets[index]
+        record, folder = self.samples[index].record, self.samples[index].folder
+        width, height = target = self.samples[index].target
         rng = random.Random(f"{self.seed}-{epoch}-{index}")
         flip = self.data.random_flip and rng.random() < 0.5
         crop = plan_crop(record, width, height, flip, rng if self.data.crop == "random" else None)
         sample = {
-            "caption": augment_caption(record.caption, self.data, rng),
+            "caption": augment_caption(record.caption, folder, rng),
             "original_size": torch.tensor([record.height, record.width]),
             "crop_top_left": torch.tensor([crop.top, crop.left]),
             "target_size": torch.tensor([height, width]),
+            "loss_weight": torch.tensor(self.samples[index].loss_weight),
             "path": str(record.path),
             "key": (index, epoch),
         }
         if self.cache is None:
-            sample["pixel_values"] = view_pixels(record, (width, height), crop, self.data)
+            sample["pixel_values"] = view_pixels(record, target, crop, self.data)
         else:
-            entry = self.cache.load(latent_key(record, (width, height), crop))
+            entry = self.cache.load(latent_key(record, target, crop))
             if entry is None:
                 raise RuntimeError(f"latent cache entry for {record.path} vanished during training")
             generator = torch.Generator().manual_seed(rng.getrandbits(63))
             sample["latents"] = sample_latents(entry, generator)
+            if "mask" in entry:
+                sample["mask"] = entry["mask"].float()
+        if self.masked and "mask" not in sample:
+            sample["mask"] = view_mask(record, target, crop)
         return sample
 
 
@@ -84,46 +97,51 @@ def collate(samples: list[dict]) -> dict:
         "original_sizes": torch.stack([s["original_size"] for s in samples]),
         "crops_top_left": torch.stack([s["crop_top_left"] for s in samples]),
         "target_sizes": torch.stack([s["target_size"] for s in samples]),
+        "loss_weights": torch.stack([s["loss_weight"] for s in samples]),
         "paths": [s["path"] for s in samples],
         "keys": [s["key"] for s in samples],
     }
-    for name in ("pixel_values", "latents"):
+    for name, stacked in (("pixel_values", "pixel_values"), ("latents", "latents"), ("mask", "masks")):
         if name in samples[0]:
-            batch[name] = torch.stack([s[name] for s in samples])
+            batch[stacked] = torch.stack([s[name] for s in samples])
     return batch
 
 
-def cache_views(plan: DatasetPlan, data: DataConfig) -> list[tuple[int, LatentKey, CropPlan]]:
-    """Every view training can ask for: each image at its bucket, center crop, and mirrored too
-    when `random_flip` is on."""
-    views = []
-    for index, (record, (width, height)) in enumerate(zip(plan.scan.images, plan.targets, strict=True)):
+def cache_views(plan: DatasetPlan, data: DataConfig) -> list[tuple[Sample, LatentKey, CropPlan]]:
+    """Every view training and validation can ask for: each image at its bucket, center crop, and
+    mirrored too when `random_flip` is on (validation views are never mirrored). One view per key."""
+    views = {}
+    for sample in plan.samples:
         for flip in (False, True) if data.random_flip else (False,):
-            crop = plan_crop(record, width, height, flip, rng=None)
-            views.append((index, latent_key(record, (width, height), crop), crop))
-    return views
+            crop = plan_crop(sample.record, *sample.target, flip, rng=None)
+            views.setdefault(latent_key(sample.record, sample.target, crop), (sample, crop))
+    for sample in plan.validation:
+        crop = plan_crop(sample.record, *sample.target, flip=False, rng=None)
+        views.setdefault(latent_key(sample.record, sample.target, crop), (sample, crop))
+    return [(sample, key, crop) for key, (sample, crop) in views.items()]
 
 
 def build_latent_cache(plan: DatasetPlan, data: DataConfig, cache: LatentCache, vae, device) -> tuple[int, int]:
-    """Encode the views missing from the cache, in batches of `build_batch_size` per bucket.
-    Returns (hits, built). The VAE runs here and nowhere else in a cached run."""
+    """Encode the views missing from the cache, in batches of `build_batch_size` per bucket, with
+    their masks. Returns (hits, built). The VAE runs here and nowhere else in a cached run."""
     views = cache_views(plan, data)
     absent = set(cache.missing(key for _, key, _ in views))
     missing = [view for view in views if view[1] in absent]
     by_size: dict[tuple[int, int], list] = defaultdict(list)
     for view in missing:
-        by_size[plan.targets[view[0]]].append(view)
+        by_size[view[0].target].append(view)
     batch_size = data.latent_cache.build_batch_size
     with tqdm(total=len(missing), desc="caching latents", disable=not missing) as progress:
         for target, group in sorted(by_size.items()):
             for start in range(0, len(group), batch_size):
                 chunk = group[start : start + batch_size]
                 pixels = torch.stack([
-                    view_pixels(plan.scan.images[index], target, crop, data) for index, _, crop in chunk
+                    view_pixels(sample.record, target, crop, data) for sample, _, crop in chunk
                 ]).to(device, dtype=vae.dtype)
                 with torch.no_grad():
                     distribution = vae.encode(pixels).latent_dist
-                for row, (_, key, _) in enumerate(chunk):
-                    cache.save(key, distribution.mean[row], distribution.std[row])
+                for row, (sample, key, crop) in enumerate(chunk):
+                    mask = view_mask(sample.record, target, crop) if key.mask else None
+                    cache.save(key, distribution.mean[row], distribution.std[row], mask)
                 progress.update(len(chunk))
     return len(views) - len(missing), len(missing)

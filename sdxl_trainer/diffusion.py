@@ -15,7 +15,10 @@ The recipes of `training.*` beyond plain MSE on uniform timesteps:
   `huber_schedule` (`exponential`: c^(t/T); `snr`: (1 − c)/(1 + σ_t)² + c); kohya's pseudo-Huber
   is twice ours, which no optimizer but plain SGD notices;
 - weights: min-SNR and `debiased_estimation` (1/√SNR, v-prediction 1/(SNR + 1), SNR capped at
-  1000), which multiply.
+  1000), which multiply, and each sample's own weight (its subset's `loss_weight`, times
+  `prior_loss_weight` for regularization images);
+- masked loss: a mask on the latent grid weights the elementwise loss, normalised by its area,
+  with `unmasked_weight` left to the masked-out part.
 Every draw comes from the image's own generator, seeded by (seed, image, epoch).
 """
 
@@ -140,12 +143,14 @@ class LossSettings:
     huber_c: float = 0.1
     huber_schedule: str = "snr"
     debiased_estimation: bool = False
+    unmasked_weight: float = 0.0
 
     @classmethod
     def of(cls, training: TrainingConfig, min_sigma_on: bool = True) -> LossSettings:
         """`min_sigma_on`: false until `min_sigma_warmup_steps` have passed."""
         return cls(training.snr_gamma, training.min_sigma if min_sigma_on else None, training.loss_type,
-                   training.huber_c, training.huber_schedule, training.debiased_estimation)
+                   training.huber_c, training.huber_schedule, training.debiased_estimation,
+                   training.unmasked_weight)
 
 
 def loss_weights(scheduler: DDPMScheduler, timesteps: torch.Tensor, settings: LossSettings) -> torch.Tensor | None:
@@ -193,17 +198,24 @@ def huber_c(scheduler: DDPMScheduler, timesteps: torch.Tensor, settings: LossSet
 
 
 def per_sample_loss(prediction: torch.Tensor, target: torch.Tensor, loss_type: str,
-                    threshold: torch.Tensor | None = None) -> torch.Tensor:
+                    threshold: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """The mean over each sample of the elementwise loss, in fp32: r² (`l2`), c²(√(1 + (r/c)²) − 1)
-    (`huber`) or c(√(1 + (r/c)²) − 1) (`smooth_l1`), with r the residual and c `threshold`."""
+    (`huber`) or c(√(1 + (r/c)²) − 1) (`smooth_l1`), with r the residual and c `threshold`. With a
+    `mask` [batch, 1, h, w] the mean is weighted by it: the masked-out part adds nothing, and a
+    sample's loss is divided by its mask's area (a small subject counts as much as a large one)."""
     residual = prediction.float() - target.float()
     if loss_type == "l2":
-        return residual.pow(2).mean(dim=tuple(range(1, residual.dim())))
-    c = threshold.float().view(-1, *[1] * (residual.dim() - 1))
-    squared = (residual / c) ** 2
-    bend = squared / ((1.0 + squared).sqrt() + 1.0)  # √(1 + x) − 1 without cancellation for small x
-    elementwise = c * c * bend if loss_type == "huber" else c * bend
-    return elementwise.mean(dim=tuple(range(1, residual.dim())))
+        elementwise = residual.pow(2)
+    else:
+        c = threshold.float().view(-1, *[1] * (residual.dim() - 1))
+        squared = (residual / c) ** 2
+        bend = squared / ((1.0 + squared).sqrt() + 1.0)  # √(1 + x) − 1 without cancellation for small x
+        elementwise = c * c * bend if loss_type == "huber" else c * bend
+    dims = tuple(range(1, residual.dim()))
+    if mask is None:
+        return elementwise.mean(dim=dims)
+    weights = mask.float().expand_as(elementwise)
+    return (elementwise * weights).sum(dim=dims) / weights.sum(dim=dims).clamp(min=1e-6)
 
 
 @dataclass
@@ -294,11 +306,19 @@ def conditioning(models: LossModels, batch: dict, device) -> dict[str, torch.Ten
 
 
 def weighted_loss(scheduler: DDPMScheduler, prediction: torch.Tensor, target: torch.Tensor,
-                  timesteps: torch.Tensor, settings: LossSettings) -> torch.Tensor:
-    """The batch's loss from the UNet's prediction: the configured loss per sample, weighted, averaged."""
+                  timesteps: torch.Tensor, settings: LossSettings, batch: dict | None = None) -> torch.Tensor:
+    """The batch's loss from the UNet's prediction: the configured loss per sample (masked where the
+    batch has `masks`), weighted by timestep and by each sample's `loss_weights`, averaged."""
+    batch = batch or {}
+    device = prediction.device
     threshold = huber_c(scheduler, timesteps, settings) if settings.loss_type != "l2" else None
-    per_sample = per_sample_loss(prediction, target, settings.loss_type, threshold)
+    mask = batch.get("masks")
+    if mask is not None:  # the unmasked part keeps `unmasked_weight`
+        mask = settings.unmasked_weight + (1.0 - settings.unmasked_weight) * mask.to(device)
+    per_sample = per_sample_loss(prediction, target, settings.loss_type, threshold, mask)
     weights = loss_weights(scheduler, timesteps, settings)
+    if "loss_weights" in batch:  # subsets' and regularization weights (a weight of 1 changes no bit)
+        per_sample = per_sample * batch["loss_weights"].to(device).float()
     return (per_sample * weights).mean() if weights is not None else per_sample.mean()
 
 
@@ -320,4 +340,4 @@ def diffusion_loss(models: LossModels, scheduler: DDPMScheduler, batch: dict, dr
     timesteps = draws.timesteps.to(device)
     noisy_latents, target = noised_input_and_target(scheduler, latents, draws, device)
     prediction = models.unet(noisy_latents, timesteps, **conditioning(models, batch, device)).sample
-    return weighted_loss(scheduler, prediction, target, timesteps, settings)
+    return weighted_loss(scheduler, prediction, target, timesteps, settings, batch)

@@ -5,6 +5,7 @@ the exit code need. Rendering itself is in `evaluation.py`, the loss in `validat
 from __future__ import annotations
 
 import functools
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,7 +19,10 @@ if TYPE_CHECKING:
     import torch
     from diffusers import StableDiffusionXLPipeline
 
-VALIDATION_BATCHES = 4
+    from .data_plan import DatasetPlan
+
+VALIDATION_BATCHES = 4  # of the training data, when no images are held out
+HELD_OUT_BATCHES = 8
 
 
 def eval_prompts(config: Config) -> list[EvalPrompt]:
@@ -95,13 +99,25 @@ def make_validation(batches: list[dict], num_train_timesteps: int, seed: int) ->
     return make_validation_set(batches, shapes, num_train_timesteps, seed)
 
 
-def validation_batches(data_plan, config: Config, seed: int, cache) -> list[dict]:
-    """The first few batches of the data, without augmentation, always the same."""
+def validation_batches(data_plan: DatasetPlan, config: Config, seed: int, cache) -> list[dict]:
+    """The held-out images (at most `HELD_OUT_BATCHES` batches of one bucket each) or, without
+    any, the first few batches of the training data; without augmentation, always the same."""
     from .data import ImageCaptionDataset, collate
+    from .data_plan import Sample
 
-    plain = config.data.model_copy(update={
-        "caption_dropout_prob": 0.0, "caption_shuffle_prob": 0.0, "random_flip": False, "crop": "center",
-    })
-    items = ImageCaptionDataset(data_plan.scan.images, data_plan.targets, plain, seed, cache)
-    chosen = data_plan.sampler(seed).batches(epoch=0)[:VALIDATION_BATCHES]
+    if data_plan.validation:
+        samples = data_plan.validation
+        by_target: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for index, sample in enumerate(samples):
+            by_target[sample.target].append(index)
+        chosen = [group[start : start + data_plan.batch_sizes[target]] for target, group in sorted(by_target.items())
+                  for start in range(0, len(group), data_plan.batch_sizes[target])][:HELD_OUT_BATCHES]
+    else:
+        samples = data_plan.samples
+        chosen = data_plan.sampler(seed).batches(epoch=0)[:VALIDATION_BATCHES]
+    unaugmented = {id(s.folder): s.folder.model_copy(update={"caption_dropout_prob": 0.0, "caption_shuffle_prob": 0.0})
+                   for s in samples}
+    plain = [Sample(s.record, s.target, unaugmented[id(s.folder)], s.loss_weight) for s in samples]
+    items = ImageCaptionDataset(plain, config.data.model_copy(update={"random_flip": False, "crop": "center"}),
+                                seed, cache)
     return [collate([items[(index, 0)] for index in batch]) for batch in chosen]

@@ -70,6 +70,27 @@ def load_rgb(path: Path, background: tuple[int, int, int] = (255, 255, 255)) -> 
         return image.convert("RGB")
 
 
+def load_mask(path: Path, alpha: bool) -> Image.Image | None:
+    """A loss mask as 8-bit grayscale with EXIF orientation applied: the alpha channel of the image
+    at `path` (None when it has none: fully opaque), or the mask file at `path`."""
+    with Image.open(path) as opened:
+        image = ImageOps.exif_transpose(opened)
+        if not alpha:
+            return image.convert("L")
+        if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+            return image.convert("RGBA").getchannel("A")
+        return None
+
+
+def mask_to_latent_grid(mask: Image.Image | None, width: int, height: int) -> torch.Tensor:
+    """A view's mask [1, height/8, width/8] in [0, 1]: the share of each latent pixel's 8x8 image
+    pixels that is trained (all ones without a mask)."""
+    if mask is None:
+        return torch.ones(1, height // 8, width // 8)
+    pixels = torch.from_numpy(np.asarray(mask, dtype=np.float32) / 255.0)[None, None]
+    return torch.nn.functional.avg_pool2d(pixels, 8)[0]
+
+
 def to_tensor(image: Image.Image) -> torch.Tensor:
     """RGB image → float16 tensor in [-1, 1], channels first (float16 halves the RAM)."""
     pixels = torch.from_numpy(np.asarray(image, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1)

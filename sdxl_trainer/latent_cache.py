@@ -1,9 +1,10 @@
 """Content-addressed VAE latent cache: one `.safetensors` file per image, bucket, crop and flip.
 
-The file name is a hash of everything the latent depends on: the image's bytes, the target size,
-the crop, the flip, the VAE's weights, the storage dtype and what is stored (distribution or
-mode). An edited image or another VAE is therefore a miss, never a stale hit. Entries are checked
-when read (finite, expected shape) and rebuilt when damaged; every write is atomic.
+The file name is a hash of everything the entry depends on: the image's bytes, the target size,
+the crop, the flip, the loss mask (stored beside the latent, on the latent grid), the VAE's
+weights, the storage dtype and what is stored (distribution or mode). An edited image or mask, or
+another VAE, is therefore a miss, never a stale hit. Entries are checked when read (finite,
+expected shape) and rebuilt when damaged; every write is atomic.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ class LatentKey:
     crop_top: int
     crop_left: int
     flip: bool
+    mask: str = ""  # the view's loss mask ("alpha", or the mask file's sha256); "" = none
 
 
 def vae_fingerprint(tensors: Iterable[torch.Tensor]) -> str:
@@ -77,6 +79,8 @@ class LatentCache:
     def path(self, key: LatentKey) -> Path:
         fields = {**asdict(key), "vae": self.vae_id, "dtype": self.dtype, "stored": self.stored,
                   "format": CACHE_FORMAT}
+        if not key.mask:  # entries without a mask keep the names they had before masks existed
+            del fields["mask"]
         digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
         return self.cache_dir / digest[:2] / f"{digest}.safetensors"
 
@@ -88,24 +92,27 @@ class LatentCache:
         path = self.path(key)
         if not path.is_file():
             return None
-        expected = (4, key.height // 8, key.width // 8)
+        grid = (key.height // 8, key.width // 8)
         try:
             tensors = load_file(path)
         except Exception:  # any unreadable entry is a miss that gets rebuilt
             tensors = None
-        names = {"mean", "std"} if self.stored == "sample" else {"mean"}
+        shapes = {"mean": (4, *grid)} | ({"std": (4, *grid)} if self.stored == "sample" else {}) | (
+            {"mask": (1, *grid)} if key.mask else {})
         valid = (
             tensors is not None
-            and set(tensors) == names
-            and all(tuple(t.shape) == expected and t.dtype == getattr(torch, DTYPES[self.dtype])
-                    and bool(torch.isfinite(t).all()) for t in tensors.values())
+            and set(tensors) == set(shapes)
+            and all(tuple(t.shape) == shapes[name] and t.dtype == getattr(torch, DTYPES[self.dtype])
+                    and bool(torch.isfinite(t).all()) for name, t in tensors.items())
         )
         if not valid:
             path.unlink(missing_ok=True)
             return None
         return tensors
 
-    def save(self, key: LatentKey, mean: torch.Tensor, std: torch.Tensor | None) -> None:
+    def save(self, key: LatentKey, mean: torch.Tensor, std: torch.Tensor | None,
+             mask: torch.Tensor | None = None) -> None:
+        """Store one view's latent distribution (the mean alone in "mode"), and its loss mask."""
         import torch
         from safetensors.torch import save_file
 
@@ -113,6 +120,8 @@ class LatentCache:
         tensors = {"mean": mean}
         if self.stored == "sample":
             tensors["std"] = std
+        if key.mask:
+            tensors["mask"] = mask
         tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in tensors.items()}
         with atomic_path(self.path(key)) as tmp:
             save_file(tensors, str(tmp), metadata={"format": str(CACHE_FORMAT), "vae": self.vae_id})

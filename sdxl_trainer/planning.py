@@ -48,21 +48,33 @@ def check_inputs(config: Config) -> None:
     check_export(config)
     if config.model.vae:
         resolve_source(config.model.vae, key="model.vae")
-    if not Path(config.data.image_dir).is_dir():
-        raise ConfigError(f"data.image_dir = {config.data.image_dir!r}: no such folder")
+    check_folders(config)
+
+
+def check_folders(config: Config) -> None:
+    """Every image, mask and validation folder is there (named by its key)."""
+    data = config.data
+    keys = [(f"data.subsets[{i}]." if data.subsets else "data.", folder) for i, folder in enumerate(data.folders())]
+    paths = [(prefix + name, getattr(folder, name)) for prefix, folder in keys for name in ("image_dir", "mask_dir")]
+    for key, path in [*paths, ("data.validation_dir", data.validation_dir)]:
+        if path and not Path(path).is_dir():
+            raise ConfigError(f"{key} = {path!r}: no such folder")
 
 
 def plan_run(config: Config) -> RunPlan:
     """The data plan, the step count, the eval prompts and the resume point, with the report."""
     from .checkpointing import check_compatible, check_resume_weights, load_state, resolve_resume, soft_settings
-    from .data_plan import plan_dataset
+    from .data_plan import EpochSettings, plan_dataset
     from .evaluator import eval_prompts
 
     prompts = eval_prompts(config)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch / torchrun
-    data_plan = plan_dataset(config.data, config.training.batch_size, world_size)
-    if not data_plan.scan.images:
-        raise ConfigError(f"data.image_dir = {config.data.image_dir!r}: no readable images found")
+    settings = EpochSettings(config.training.prior_loss_weight, split_seed=config.training.seed or 0)
+    data_plan = plan_dataset(config.data, config.training.batch_size, world_size, settings)
+    if not data_plan.samples:
+        folders = ", ".join(folder.image_dir for folder in config.data.folders() if not folder.is_reg)
+        key = "data.subsets" if config.data.subsets else "data.image_dir"
+        raise ConfigError(f"{key}: no readable images found in {folders}")
     check_batches(config, data_plan)
     total_steps = count_steps(config, data_plan.batches_per_epoch)
     preflight = describe_plan(config, data_plan, total_steps)
@@ -92,8 +104,8 @@ def check_batches(config: Config, data_plan: DatasetPlan) -> None:
     """Refuse a plan that cannot make a batch: every bucket dropped, or fewer images than one
     global batch (it would wait for a batch forever, or pad one image out to a whole batch)."""
     key = "data.bucket.batch_size" if config.data.bucket.enabled else "training.batch_size"
-    smallest = min(data_plan.batch_sizes.values()) * data_plan.world_size
-    images = len(data_plan.scan.images)
+    smallest = min(data_plan.batch_sizes[target] for target in set(data_plan.targets)) * data_plan.world_size
+    images = len(data_plan.samples)
     processes = f" ({data_plan.world_size} processes)" if data_plan.world_size > 1 else ""
     if data_plan.batches_per_epoch == 0:
         buckets = ", ".join(f"{resolution} ({count} images, batch {size})"

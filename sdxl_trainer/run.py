@@ -322,7 +322,7 @@ def open_data(run: Run, cache: LatentCache | None) -> None:
     data_plan, data = run.plan.data, run.config.data
     run.sampler = data_plan.sampler(run.seed, rank=run.accelerator.process_index)
     run.loader = DataLoader(
-        ImageCaptionDataset(data_plan.scan.images, data_plan.targets, data, run.seed, cache),
+        ImageCaptionDataset(data_plan.samples, data, run.seed, cache),
         batch_sampler=run.sampler, collate_fn=collate, num_workers=data.num_workers,
         # Its own generator: starting an epoch must not draw from the training RNG (exact resume).
         generator=torch.Generator().manual_seed(run.seed),
@@ -660,14 +660,14 @@ def finish(run: Run, status: str, code: int) -> int:
 
     if not run.accelerator.is_main_process:
         return code
-    config, evaluator, scan = run.config, run.evaluator, run.plan.data.scan
+    config, evaluator, data_plan = run.config, run.evaluator, run.plan.data
     session = time.time() - run.started
     summary = {
         "status": status, "steps": run.position.step, "epoch": run.position.epoch,
         "checkpoints": [str(path) for path in list_checkpoints(config.output_dir / "checkpoints")],
         "seconds": round(run.earlier_seconds + session, 1), "seed": run.seed,
-        "images": len(scan.images),
-        "skipped_files": [{"path": str(p), "reason": r} for p, r in scan.skipped],
+        "images": len(data_plan.scan.images), "data": data_plan.summary(),
+        "skipped_files": [{"path": str(p), "reason": r} for p, r in data_plan.scan.skipped],
         "nan_events": run.guard.events,
         "eval": evaluator.results if evaluator else [],
         "invalid_eval_images": evaluator.invalid_images if evaluator else [],

@@ -50,8 +50,8 @@ def _table(prefix: str, model: type[BaseModel]) -> str:
     for name, field in model.model_fields.items():
         key = f"{prefix}.{name}"
         block = _block_model(field.annotation)
-        if block is not None:
-            nested.append((key, block))
+        if block is not None:  # a list of blocks (data.subsets) is documented as `key[].name`
+            nested.append((key + "[]" * (typing.get_origin(field.annotation) is list), block))
         meaning = (field.description or "").replace("|", "\\|")
         if key in UNBUILT:
             meaning += f" **Planned:** {UNBUILT[key][1]}."

@@ -73,8 +73,8 @@ def pick_samples(config: Config, count: int) -> list[dict]:
     from .data_plan import plan_dataset
 
     plan = plan_dataset(config.data, config.training.batch_size)
-    dataset = ImageCaptionDataset(plan.scan.images, plan.targets, config.data, config.training.seed or 0)
-    return [dataset[(index, 0)] for index in range(min(count, len(plan.scan.images)))]
+    dataset = ImageCaptionDataset(plan.samples, config.data, config.training.seed or 0)
+    return [dataset[(index, 0)] for index in range(min(count, len(plan.samples)))]
 
 
 def predicted_original(scheduler: DDPMScheduler, noisy: torch.Tensor, output: torch.Tensor,

@@ -44,7 +44,7 @@ def test_generated_buckets_keep_the_area_in_both_orientations() -> None:
 def test_sample_reports_sizes_and_crop_for_sdxl_conditioning(tmp_path: Path) -> None:
     make_images(tmp_path, [(300, 200)])
     plan = dataset.plan_dataset(data_config(tmp_path), batch_size=1)
-    sample = dataset.ImageCaptionDataset(plan.scan.images, plan.targets, data_config(tmp_path), 0)[(0, 0)]
+    sample = dataset.ImageCaptionDataset(plan.samples, data_config(tmp_path), 0)[(0, 0)]
     assert sample["pixel_values"].shape == (3, 64, 96)
     assert str(sample["pixel_values"].dtype) == "torch.float16"
     assert sample["original_size"].tolist() == [200, 300]  # (height, width)

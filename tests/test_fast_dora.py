@@ -200,7 +200,7 @@ def test_training_steps_equal_peft_s_to_rounding(tmp_path: Path, tiny_sdxl_dir: 
     learning rate: peft against itself on another thread count differs by 3e-5 here, as much."""
     config = tiny_pipeline_config(tmp_path)
     plan = dataset.plan_dataset(config.data, 2)
-    items = dataset.ImageCaptionDataset(plan.scan.images, plan.targets, config.data, seed=0)
+    items = dataset.ImageCaptionDataset(plan.samples, config.data, seed=0)
     batch = dataset.collate([items[(index, 0)] for index, t in enumerate(plan.targets) if t == (64, 64)][:2])
     draws = Draws(torch.randn((2, 4, 8, 8), generator=torch.Generator().manual_seed(0)), torch.tensor([250, 650]),
                   torch.randn((2, 4, 8, 8), generator=torch.Generator().manual_seed(5)))

@@ -112,8 +112,7 @@ def test_modes_convert_to_the_right_rgb(zoo: Path, name: str, expected: tuple[in
 def test_rotated_and_tiny_images_are_planned_correctly(zoo: Path) -> None:
     config = zoo_config(zoo)
     plan = dataset.plan_dataset(config, batch_size=1)
-    pairs = zip(plan.scan.images, plan.targets, strict=True)
-    by_name = {record.path.name: (record, target) for record, target in pairs}
+    by_name = {sample.record.path.name: (sample.record, sample.target) for sample in plan.samples}
     record, target = by_name["rotated.jpg"]
     assert (record.width, record.height) == (64, 96) and target == (64, 96)
     upscaled, largest, _, _ = plan.scaling_stats()

@@ -94,15 +94,16 @@ def test_a_cached_latent_equals_a_fresh_encode(images: Path, tmp_path: Path, vae
     # Batch size 1 on both sides: CPU convolutions differ in the last bits between batch sizes.
     config, plan, cache = setup(images, tmp_path / "cache", vae, cache={"latents": "mode", "build_batch_size": 1})
     dataset.build_latent_cache(plan, config, cache, vae, "cpu")
-    index, key, crop = dataset.cache_views(plan, config)[5]
-    width, height = plan.targets[index]
-    pixels = dataset.to_tensor(dataset.render_view(dataset.load_rgb(plan.scan.images[index].path), crop, width, height))
+    view, key, crop = dataset.cache_views(plan, config)[5]
+    index = plan.samples.index(view)
+    width, height = view.target
+    pixels = dataset.to_tensor(dataset.render_view(dataset.load_rgb(view.record.path), crop, width, height))
     with torch.no_grad():
         fresh = vae.encode(pixels[None].float()).latent_dist.mean[0]
     cached = cache.load(key)
     assert set(cached) == {"mean"}
     assert torch.equal(cached["mean"], fresh)
-    sample = dataset.ImageCaptionDataset(plan.scan.images, plan.targets, config, seed=0, cache=cache)[(index, 0)]
+    sample = dataset.ImageCaptionDataset(plan.samples, config, seed=0, cache=cache)[(index, 0)]
     assert "pixel_values" not in sample and torch.equal(sample["latents"], cached["mean"])
 
 
@@ -115,7 +116,7 @@ def test_distributions_are_sampled_per_epoch_and_half_entries_take_two_bytes(ima
     with safe_open(str(cache.path(key)), "pt") as handle:
         mean = handle.get_tensor("mean")
     assert mean.dtype == torch.float16 and mean.element_size() == 2
-    items = dataset.ImageCaptionDataset(plan.scan.images, plan.targets, config, seed=0, cache=cache)
+    items = dataset.ImageCaptionDataset(plan.samples, config, seed=0, cache=cache)
     assert torch.equal(items[(0, 0)]["latents"], items[(0, 0)]["latents"])  # deterministic
     assert not torch.equal(items[(0, 0)]["latents"], items[(0, 1)]["latents"])  # a new draw each epoch
 

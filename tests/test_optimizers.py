@@ -42,7 +42,7 @@ def test_each_optimizer_lowers_the_loss_on_fixed_draws(kind: str, tmp_path: Path
     if kind == "adamw_schedulefree":
         optimizer.train()
     plan = plan_dataset(config.data, 2)
-    dataset = ImageCaptionDataset(plan.scan.images, plan.targets, config.data, seed=7)
+    dataset = ImageCaptionDataset(plan.samples, config.data, seed=7)
     batch = collate([dataset[(index, 0)] for index in plan.sampler(seed=7).batches(0)[0]])
     scheduler = make_noise_scheduler(pipe.scheduler.config, None, False)
     height, width = batch["target_sizes"][0].tolist()

@@ -21,7 +21,7 @@ from tests.helpers import run_cli, tiny_config, write_config
 def fixed_batch(config) -> dict:
     """Two 64x64 images of the sample data, captions as written (no augmentation)."""
     plan = dataset.plan_dataset(config.data, 2)
-    images = dataset.ImageCaptionDataset(plan.scan.images, plan.targets, config.data, seed=0)
+    images = dataset.ImageCaptionDataset(plan.samples, config.data, seed=0)
     square = [index for index, target in enumerate(plan.targets) if target == (64, 64)][:2]
     return dataset.collate([images[(index, 0)] for index in square])
 

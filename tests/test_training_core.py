@@ -203,7 +203,7 @@ def fixed_batch_loss_drop(tmp_path: Path, optimizer_type: str, gradient_checkpoi
                         model={"use_gradient_checkpointing": gradient_checkpointing},
                         training={"lr_unet": 1e-2, "lr_text_encoder_1": 1e-2})
     plan = dataset.plan_dataset(config.data, 2)
-    items = dataset.ImageCaptionDataset(plan.scan.images, plan.targets, config.data, seed=0)
+    items = dataset.ImageCaptionDataset(plan.samples, config.data, seed=0)
     batch = dataset.collate([items[(index, 0)] for index, t in enumerate(plan.targets) if t == (64, 64)][:2])
     pipe = load_pipeline(config.model)
     scheduler = make_noise_scheduler(pipe.scheduler.config, None, False)
@@ -236,7 +236,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(tmp_path: Path, tiny_sd
     for checkpointing in (False, True):
         config = config_for(tmp_path, model={"use_gradient_checkpointing": checkpointing}, adapter={"type": "none"})
         plan = dataset.plan_dataset(config.data, 2)
-        items = dataset.ImageCaptionDataset(plan.scan.images, plan.targets, config.data, seed=0)
+        items = dataset.ImageCaptionDataset(plan.samples, config.data, seed=0)
         batch = dataset.collate([items[(0, 0)]])
         pipe = load_pipeline(config.model)
         scheduler = make_noise_scheduler(pipe.scheduler.config, None, False)
