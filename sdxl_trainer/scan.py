@@ -4,13 +4,12 @@ once before any model is loaded, and the ones that cannot be used with their rea
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .captions import read_caption
 from .config import DataConfig
-from .images import inspect_image
+from .scan_cache import inspect_images
 
 IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp"}
 
@@ -45,19 +44,18 @@ def scan_images(data: DataConfig) -> ScanReport:
     report = ScanReport()
     report.skipped += [(p, f"broken symbolic link (to {os.readlink(p)})") for p in candidates
                        if p.is_symlink() and not p.exists()]
-    workers = max(1, min(8, os.cpu_count() or 1))
-    with ThreadPoolExecutor(max_workers=workers) as pool:  # PIL decodes without holding the GIL
-        checks = pool.map(lambda p: inspect_image(p, data.max_image_pixels), paths)
-        for path, result in zip(paths, checks, strict=True):
-            if isinstance(result, str):
-                report.skipped.append((path, result))
-                continue
-            width, height, digest = result
-            caption, problem = read_caption(path)
-            if problem:
-                report.skipped.append((path, problem))
-                continue
-            if not caption:
-                report.missing_captions.append(path)
-            report.images.append(ImageRecord(path, caption, width, height, digest))
+    cache_dir = Path(data.scan_cache_dir) if data.scan_cache_dir else None
+    checks = inspect_images(paths, data.max_image_pixels, cache_dir, max(1, data.num_workers))
+    for path, result in zip(paths, checks, strict=True):
+        if isinstance(result, str):
+            report.skipped.append((path, result))
+            continue
+        width, height, digest = result
+        caption, problem = read_caption(path)
+        if problem:
+            report.skipped.append((path, problem))
+            continue
+        if not caption:
+            report.missing_captions.append(path)
+        report.images.append(ImageRecord(path, caption, width, height, digest))
     return report

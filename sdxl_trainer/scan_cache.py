@@ -1,0 +1,111 @@
+"""The scan cache: what inspecting each image found, kept between runs so that a start decodes
+only the files it has not seen (decoding 100k photos takes the better part of an hour).
+
+One JSON file per image folder, under `data.scan_cache_dir`, maps each file's absolute path to its
+size, mtime and inode when inspected and the `ImageCheck` found then. A file whose size, mtime or
+inode differs is inspected again, so an edit is never answered from the cache. The pixel limit is
+applied anew on each start, never cached. A damaged or unreadable cache file is ignored (and
+replaced); files not scanned this time are dropped from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from .atomic import OutputWriteError, write_text
+from .images import ImageCheck, check_image
+
+FORMAT = "sdxl-trainer scan cache 1"
+Stamp = tuple[int, int, int]  # size, mtime_ns, inode: what must not change for an entry to hold
+Verdict = tuple[int, int, str] | str  # images.inspect_image's answer
+
+
+def inspect_images(paths: list[Path], max_pixels: int, cache_dir: Path | None, workers: int) -> list[Verdict]:
+    """`images.inspect_image` of every path, in order: from the cache where the file is unchanged,
+    else inspected by `workers` threads behind a progress bar. Threads, not processes: PIL's decoders
+    and hashlib release the GIL, and a thread starts at once (bench/bench_startup.py measures both)."""
+    cache_file = cache_path(paths, cache_dir)
+    known = load(cache_file) if cache_file else {}
+    entries = [(os.path.abspath(path), _stamp(path)) for path in paths]
+    checks = [_hit(known.get(key), stamp) for key, stamp in entries]
+    verdicts = [check.verdict(max_pixels) if check else None for check in checks]
+    todo = [index for index, verdict in enumerate(verdicts) if verdict is None]
+    try:
+        for index, check in zip(todo, inspect_parallel([paths[i] for i in todo], max_pixels, workers), strict=True):
+            checks[index], verdicts[index] = check, check.verdict(max_pixels)
+    finally:  # what was inspected is kept, also when a Ctrl-C stops the scan
+        if cache_file and (todo or len(known) != len(entries)):
+            _save(cache_file, {key: (stamp, check) for (key, stamp), check in zip(entries, checks, strict=True)
+                               if check is not None})
+    return verdicts  # type: ignore[return-value]  # no None is left: each was inspected above
+
+
+def inspect_parallel(paths: list[Path], max_pixels: int, workers: int) -> Iterator[ImageCheck]:
+    """`images.check_image` of each path, in order, `workers` at a time; a progress bar when there are any."""
+    if not paths:
+        return
+    pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="scan")
+    try:
+        with tqdm(total=len(paths), desc=f"inspecting {len(paths)} new or changed images", unit="img") as bar:
+            for check in pool.map(check_image, paths, itertools.repeat(max_pixels)):
+                bar.update()
+                yield check
+    finally:  # a stop (Ctrl-C) cancels the queued files instead of inspecting them all first
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def cache_path(paths: list[Path], cache_dir: Path | None) -> Path | None:
+    """The cache file of the folder these images are in (None: no cache, or no images)."""
+    if cache_dir is None or not paths:
+        return None
+    folder = os.path.commonpath([os.path.dirname(os.path.abspath(path)) for path in paths])
+    return cache_dir / f"{hashlib.sha256(folder.encode()).hexdigest()[:16]}.json"
+
+
+def load(cache_file: Path) -> dict[str, tuple[Stamp, ImageCheck]]:
+    """The cache's entries by absolute path; none when the file is missing, unreadable or damaged."""
+    try:
+        data = json.loads(cache_file.read_bytes())
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            return {}
+        return {key: _entry(*value) for key, value in data["files"].items()}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):  # missing or damaged: start anew
+        return {}
+
+
+def _entry(size: int, mtime_ns: int, inode: int, width: int, height: int, turned: bool, sha256: str | None,
+           problem: str | None) -> tuple[Stamp, ImageCheck]:
+    """One cache entry, checked field by field (a TypeError marks the whole file as damaged)."""
+    if not (all(type(n) is int for n in (size, mtime_ns, inode, width, height)) and type(turned) is bool
+            and isinstance(sha256, str | None) and isinstance(problem, str | None)):
+        raise TypeError("damaged scan cache entry")
+    return (size, mtime_ns, inode), ImageCheck(width, height, turned, sha256, problem)
+
+
+def _save(cache_file: Path, entries: dict[str, tuple[Stamp, ImageCheck]]) -> None:
+    files: dict[str, list[Any]] = {
+        key: [*stamp, check.width, check.height, check.turned, check.sha256, check.problem]
+        for key, (stamp, check) in entries.items()}
+    try:
+        write_text(cache_file, json.dumps({"format": FORMAT, "files": files}, separators=(",", ":")))
+    except (OutputWriteError, OSError) as exc:  # the scan itself is complete: train without the cache
+        warnings.warn(f"scan cache not saved: {exc}", stacklevel=3)
+
+
+def _stamp(path: Path) -> Stamp:
+    status = path.stat()
+    return status.st_size, status.st_mtime_ns, status.st_ino
+
+
+def _hit(entry: tuple[Stamp, ImageCheck] | None, stamp: Stamp) -> ImageCheck | None:
+    return entry[1] if entry is not None and entry[0] == stamp else None
