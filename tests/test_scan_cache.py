@@ -136,7 +136,8 @@ def test_an_entry_of_the_wrong_type_voids_the_cache_file(tmp_path: Path) -> None
     expected = inspect_images(paths, 50_000, cache, workers=1)
     cache_file = cache_path(paths, cache)
     data = json.loads(cache_file.read_text(encoding="utf-8"))
-    data["files"][os.path.abspath(paths[0])][3] = "256"  # width as text
+    assert data["columns"]["path"][0] == os.path.abspath(paths[0]) and data["columns"]["width"][0] == 256
+    data["columns"]["width"][0] = "256"  # as text
     cache_file.write_text(json.dumps(data), encoding="utf-8")
     assert load(cache_file) == {}
     assert inspect_images(paths, 50_000, cache, workers=1) == expected
