@@ -99,7 +99,7 @@ def test_an_edited_image_is_inspected_again(tmp_path: Path) -> None:
     after = inspect_images(paths, 50_000, cache, workers=1)
     assert after[0] == (128, 160, inspect_image(paths[0], 50_000)[2]) and after[0] != before[0]
     assert after[1:] == before[1:]
-    assert load(cache_path(paths, cache))[os.path.abspath(paths[0])][0][0] == len(edited)
+    assert load(cache_path([str(path) for path in paths], cache))[os.path.abspath(paths[0])][0][0] == len(edited)
 
 
 def test_a_file_replaced_with_the_same_size_and_mtime_is_inspected_again(tmp_path: Path) -> None:
@@ -123,7 +123,7 @@ def test_a_damaged_cache_file_is_rebuilt(tmp_path: Path, damage: bytes) -> None:
     paths = make_folder(tmp_path / "images")
     cache = tmp_path / "cache"
     expected = inspect_images(paths, 50_000, cache, workers=1)
-    cache_file = cache_path(paths, cache)
+    cache_file = cache_path([str(path) for path in paths], cache)
     cache_file.write_bytes(damage)
     assert load(cache_file) == {}
     assert inspect_images(paths, 50_000, cache, workers=1) == expected
@@ -134,7 +134,7 @@ def test_an_entry_of_the_wrong_type_voids_the_cache_file(tmp_path: Path) -> None
     paths = make_folder(tmp_path / "images")
     cache = tmp_path / "cache"
     expected = inspect_images(paths, 50_000, cache, workers=1)
-    cache_file = cache_path(paths, cache)
+    cache_file = cache_path([str(path) for path in paths], cache)
     data = json.loads(cache_file.read_text(encoding="utf-8"))
     assert data["columns"]["path"][0] == os.path.abspath(paths[0]) and data["columns"]["width"][0] == 256
     data["columns"]["width"][0] = "256"  # as text
