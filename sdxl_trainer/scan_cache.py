@@ -16,6 +16,7 @@ import hashlib
 import itertools
 import json
 import os
+import time
 import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -31,13 +32,15 @@ FORMAT = "sdxl-trainer scan cache 1"
 _COLUMNS = {"path": {str}, "size": {int}, "mtime_ns": {int}, "inode": {int}, "width": {int}, "height": {int},
             "turned": {bool}, "sha256": {str, type(None)}, "problem": {str, type(None)}}
 Stamp = tuple[int, int, int]  # size, mtime_ns, inode: what must not change for an entry to hold
+_STAMP_FIELDS = ("size", "mtime_ns", "inode")
+SAVE_EVERY_S = 60.0  # during a long first scan, so that a kill (not only a Ctrl-C) keeps most of it
 Verdict = tuple[int, int, str] | str  # images.inspect_image's answer
 
 
 def inspect_images(paths: list[Path], max_pixels: int, cache_dir: Path | None, workers: int) -> list[Verdict]:
     """`images.inspect_image` of every path, in order: from the cache where the file is unchanged,
     else inspected by `workers` threads behind a progress bar. Threads, not processes: PIL's decoders
-    and hashlib release the GIL, and a thread starts at once (bench/bench_startup.py measures both)."""
+    and hashlib release the GIL, and a thread starts at once (processes were no faster, README)."""
     with gc_paused():
         keys = [os.path.abspath(path) for path in paths]
         cache_file = cache_path(keys, cache_dir)
@@ -46,13 +49,16 @@ def inspect_images(paths: list[Path], max_pixels: int, cache_dir: Path | None, w
         checks = [_hit(known.get(key), stamp) for key, stamp in zip(keys, stamps, strict=True)]
         verdicts = [check.verdict(max_pixels) if check else None for check in checks]
     todo = [index for index, verdict in enumerate(verdicts) if verdict is None]
+    saved = time.monotonic()
     try:
         for index, check in zip(todo, inspect_parallel([paths[i] for i in todo], max_pixels, workers), strict=True):
             checks[index], verdicts[index] = check, check.verdict(max_pixels)
-    finally:  # what was inspected is kept, also when a Ctrl-C stops the scan
+            if cache_file and time.monotonic() - saved > SAVE_EVERY_S:  # a kill loses a minute at most
+                _save(cache_file, keys, stamps, checks)
+                saved = time.monotonic()
+    finally:  # what was inspected is kept, also when a Ctrl-C or an unreadable file stops the scan
         if cache_file and (todo or len(known) != len(keys)):
-            _save(cache_file, {key: (stamp, check) for key, stamp, check in zip(keys, stamps, checks, strict=True)
-                               if check is not None})
+            _save(cache_file, keys, stamps, checks)
     return verdicts  # type: ignore[return-value]  # no None is left: each was inspected above
 
 
@@ -107,15 +113,15 @@ def load(cache_file: Path) -> dict[str, tuple[Stamp, ImageCheck]]:
         return {}
 
 
-def _save(cache_file: Path, entries: dict[str, tuple[Stamp, ImageCheck]]) -> None:
-    stamps = [stamp for stamp, _ in entries.values()]
-    checks = [check for _, check in entries.values()]
-    columns = {"path": list(entries), **{name: [stamp[index] for stamp in stamps]
-                                         for index, name in enumerate(("size", "mtime_ns", "inode"))},
-               **{name: [getattr(check, name) for check in checks] for name in ImageCheck._fields}}
+def _save(cache_file: Path, keys: list[str], stamps: list[Stamp], checks: list[ImageCheck | None]) -> None:
+    """The entries of the files inspected so far, written atomically."""
+    known = [(key, stamp, check) for key, stamp, check in zip(keys, stamps, checks, strict=True) if check is not None]
+    columns = {"path": [key for key, _, _ in known],
+               **{name: [stamp[index] for _, stamp, _ in known] for index, name in enumerate(_STAMP_FIELDS)},
+               **{name: [getattr(check, name) for _, _, check in known] for name in ImageCheck._fields}}
     try:
         write_text(cache_file, json.dumps({"format": FORMAT, "columns": columns}, separators=(",", ":")))
-    except (OutputWriteError, OSError) as exc:  # the scan itself is complete: train without the cache
+    except (OutputWriteError, OSError) as exc:  # costs a rescan at the next start, not this run
         warnings.warn(f"scan cache not saved: {exc}", stacklevel=3)
 
 

@@ -189,3 +189,14 @@ def test_scan_images_writes_the_cache_only_where_told(tmp_path: Path, monkeypatc
         (r.path.name, r.width, r.sha256) for r in with_cache.images]
     assert len(with_cache.images) == 5 and len(with_cache.skipped) == 5  # no captions: used all the same
     assert len(list(Path().iterdir())) == 10  # nothing written beside the images
+
+
+def test_what_was_inspected_before_a_scan_stopped_is_kept(tmp_path: Path) -> None:
+    paths = make_folder(tmp_path / "images")[:4]
+    stop = tmp_path / "images" / "c_directory.jpg"  # reading it raises, as a Ctrl-C would stop the scan
+    stop.mkdir()
+    cache = tmp_path / "cache"
+    with pytest.raises(IsADirectoryError):
+        inspect_images([*paths[:2], stop, *paths[2:]], 50_000, cache, workers=1)
+    keys = [str(path) for path in [*paths[:2], stop, *paths[2:]]]
+    assert set(load(cache_path(keys, cache))) == {str(paths[0]), str(paths[1])}
