@@ -1,5 +1,5 @@
 """The scan cache: what inspecting each image found, kept between runs so that a start decodes
-only the files it has not seen (decoding 100k photos takes the better part of an hour).
+only the files it has not seen (decoding 100k photos takes from minutes to an hour).
 
 One JSON file per image folder, under `data.scan_cache_dir`, maps each file's absolute path to its
 size, mtime and inode when inspected and the `ImageCheck` found then. A file whose size, mtime or
