@@ -342,8 +342,8 @@ class DataConfig(Section):
     num_workers: int = Field(2, ge=0, description="Data-loader worker processes.")
     scan_cache_dir: str = Field(
         "./cache/scan", description="Scan cache folder: each image's size and decode check, kept so that a start "
-        "decodes only new or changed images (a changed size or mtime is checked again; the first scan decodes with "
-        "`num_workers` threads, at least 1). Empty: no cache, every start decodes every image."
+        "decodes only new or changed images (a changed size, mtime or inode is checked again; the first scan "
+        "decodes with `num_workers` threads, at least 1). Empty: no cache, every start decodes every image."
     )
     bucket: BucketConfig = Field(default_factory=BucketConfig, description="Aspect-ratio buckets.")
     latent_cache: LatentCacheConfig = Field(default_factory=LatentCacheConfig, description="VAE latent cache.")

@@ -47,7 +47,7 @@ def inspect_images(paths: list[Path], max_pixels: int, cache_dir: Path | None, w
         known = load(cache_file) if cache_file else {}
         stamps = [_stamp(key) for key in keys]
         checks = [_hit(known.get(key), stamp) for key, stamp in zip(keys, stamps, strict=True)]
-        verdicts = [check.verdict(max_pixels) if check else None for check in checks]
+        verdicts = [check.verdict(max_pixels) if check is not None else None for check in checks]
     todo = [index for index, verdict in enumerate(verdicts) if verdict is None]
     saved = time.monotonic()
     try:
