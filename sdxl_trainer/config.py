@@ -379,6 +379,11 @@ class DataConfig(FolderOptions):
         100_000_000, description="Images with more pixels are skipped (protects against decompression bombs)."
     )
     num_workers: int = Field(2, ge=0, description="Data-loader worker processes.")
+    scan_cache_dir: str = Field(
+        "./cache/scan", description="Scan cache folder: each image's size and decode check, kept so that a start "
+        "decodes only new or changed images (a changed size, mtime or inode is checked again; the first scan "
+        "decodes with `num_workers` threads, at least 1). Empty: no cache, every start decodes every image."
+    )
     bucket: BucketConfig = Field(default_factory=BucketConfig, description="Aspect-ratio buckets.")
     latent_cache: LatentCacheConfig = Field(default_factory=LatentCacheConfig, description="VAE latent cache.")
     subsets: list[SubsetConfig] = Field(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import io
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -20,29 +21,61 @@ _EXIF_ORIENTATION = 0x0112
 _SIXTEEN_BIT_MODES = {"I;16", "I;16L", "I;16B", "I;16N", "I"}
 
 
-def inspect_image(path: Path, max_pixels: int) -> tuple[int, int, str] | str:
-    """(width, height as displayed, sha256 of the bytes), or the reason the image cannot be used.
+class ImageCheck(NamedTuple):
+    """What inspecting a file found, kept apart from the pixel limit so that a scan cache can judge
+    it again under another `data.max_image_pixels`: the stored size, whether EXIF orientation turns
+    it by 90 degrees and the sha256 of its bytes (None: over the limit, so never decoded), or the
+    reason it cannot be used whatever the limit. A tuple: a cache builds 100k of them at each start."""
 
-    The whole image is decoded once, so that a corrupt or truncated file is found before training.
+    width: int = 0
+    height: int = 0
+    turned: bool = False
+    sha256: str | None = None
+    problem: str | None = None
+
+    def verdict(self, max_pixels: int) -> tuple[int, int, str] | str | None:
+        """`inspect_image`'s answer under `max_pixels`; None when that needs a decode not yet done."""
+        if self.problem is not None:
+            return self.problem
+        if self.width * self.height > max_pixels:
+            return f"too large: {self.width}x{self.height} is over data.max_image_pixels={max_pixels}"
+        if self.sha256 is None:
+            return None
+        return (self.height, self.width, self.sha256) if self.turned else (self.width, self.height, self.sha256)
+
+
+def check_image(path: Path, max_pixels: int) -> ImageCheck:
+    """Read, hash and decode one file (not decoded when over `max_pixels`).
+
+    Every byte of the image data is decoded, so that a corrupt or truncated file is found before
+    training; a JPEG is decoded at 1/8 scale (libjpeg's DCT scaling still entropy-decodes the whole
+    stream, and fails on a truncated one as the full decode does, in half the time).
     """
     content = path.read_bytes()
     if not content:
-        return "empty file (0 bytes)"
+        return ImageCheck(problem="empty file (0 bytes)")
     try:
         with Image.open(io.BytesIO(content)) as image:
             width, height = image.size
             if width * height > max_pixels:
-                return f"too large: {width}x{height} is over data.max_image_pixels={max_pixels}"
-            if image.getexif().get(_EXIF_ORIENTATION) in _ROTATED_ORIENTATIONS:
-                width, height = height, width
+                return ImageCheck(width, height)
+            turned = image.getexif().get(_EXIF_ORIENTATION) in _ROTATED_ORIENTATIONS
+            image.draft(image.mode, (max(1, width // 8), max(1, height // 8)))  # JPEG only; others ignore it
             image.load()  # a truncated or corrupt file fails here
     except Image.DecompressionBombError:
-        return "too large: refused as a possible decompression bomb"
+        return ImageCheck(problem="too large: refused as a possible decompression bomb")
     except UnidentifiedImageError:  # its message names the in-memory buffer, not the file
-        return "not an image (PIL recognises no image format in it)"
+        return ImageCheck(problem="not an image (PIL recognises no image format in it)")
     except (OSError, SyntaxError, ValueError) as exc:
-        return f"cannot read image: {exc}"
-    return width, height, hashlib.sha256(content).hexdigest()
+        return ImageCheck(problem=f"cannot read image: {exc}")
+    return ImageCheck(width, height, turned, hashlib.sha256(content).hexdigest())
+
+
+def inspect_image(path: Path, max_pixels: int) -> tuple[int, int, str] | str:
+    """(width, height as displayed, sha256 of the bytes), or the reason the image cannot be used."""
+    verdict = check_image(path, max_pixels).verdict(max_pixels)
+    assert verdict is not None  # check_image decodes whatever is within the limit
+    return verdict
 
 
 def load_rgb(path: Path, background: tuple[int, int, int] = (255, 255, 255)) -> Image.Image:

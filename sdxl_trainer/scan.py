@@ -5,13 +5,12 @@ model is loaded, and the ones that cannot be used with their reason."""
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .captions import caption_reader
 from .config import DataConfig, FolderOptions
-from .images import inspect_image
+from .scan_cache import inspect_images
 
 IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp"}
 ALPHA_MASK = "alpha"  # ImageRecord.mask of an image whose alpha channel is its mask
@@ -42,16 +41,18 @@ class ScanReport:
 
 
 def inspect_files(paths: list[Path], data: DataConfig) -> list[tuple[int, int, str] | str]:
-    """`inspect_image` of every path, in parallel (PIL decodes without holding the GIL)."""
-    workers = max(1, min(8, os.cpu_count() or 1))
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(lambda p: inspect_image(p, data.max_image_pixels), paths))
+    """`images.inspect_image` of every path: from the scan cache where the file is unchanged, else
+    decoded now by `data.num_workers` threads (at least one)."""
+    cache_dir = Path(data.scan_cache_dir) if data.scan_cache_dir else None
+    return inspect_images(paths, data.max_image_pixels, cache_dir, max(1, data.num_workers))
 
 
 def find_images(folder: Path, recursive: bool) -> tuple[list[Path], list[tuple[Path, str]]]:
     """The image files of a folder, sorted, and its broken symbolic links with their reason."""
     pattern = "**/*" if recursive else "*"
-    candidates = sorted(p for p in folder.glob(pattern) if p.suffix.lower() in IMAGE_EXTENSIONS)
+    # Sorted by parts, the order of Path's own comparison, at a fraction of its cost (100k files).
+    candidates = sorted((p for p in folder.glob(pattern) if p.suffix.lower() in IMAGE_EXTENSIONS),
+                        key=lambda p: p.parts)
     broken = [(p, f"broken symbolic link (to {os.readlink(p)})") for p in candidates
               if p.is_symlink() and not p.exists()]
     return [p for p in candidates if p.is_file()], broken

@@ -65,3 +65,9 @@ def test_cpu_benchmarks_smoke(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
     startup = {row["command"]: row for row in rows_of(tmp_path / "startup.json")}
     for name in ("train_sdxl.py --help", "train_sdxl.py --dry-run (quickstart)"):
         assert_positive(startup[name], "seconds", "peak_rss_MB")
+
+    preflight = rows_of(tmp_path / "preflight.json")
+    assert [(row["images"], row["scan_cache"], row["workers"]) for row in preflight] == [
+        (12, "cold", 1), (12, "cold", 2), (12, "warm", 2)]
+    for row in preflight:
+        assert_positive(row, "seconds", "peak_rss_MB")
