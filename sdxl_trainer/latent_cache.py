@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,6 +36,9 @@ class LatentKey:
     crop_left: int
     flip: bool
     mask: str = ""  # the view's loss mask ("alpha", or the mask file's sha256); "" = none
+
+
+_KEY_FIELDS = [name for name in LatentKey.__dataclass_fields__ if name != "mask"]
 
 
 def vae_fingerprint(tensors: Iterable[torch.Tensor]) -> str:
@@ -77,10 +80,12 @@ class LatentCache:
         self.stored = stored  # "sample": mean and std; "mode": mean only
 
     def path(self, key: LatentKey) -> Path:
-        fields = {**asdict(key), "vae": self.vae_id, "dtype": self.dtype, "stored": self.stored,
-                  "format": CACHE_FORMAT}
-        if not key.mask:  # entries without a mask keep the names they had before masks existed
-            del fields["mask"]
+        """The entry's file: named by the sha256 of the key's fields and the cache's settings as
+        sorted JSON (a pre-flight computes 100k of these, hence no `dataclasses.asdict`)."""
+        fields = {name: getattr(key, name) for name in _KEY_FIELDS}
+        fields.update(vae=self.vae_id, dtype=self.dtype, stored=self.stored, format=CACHE_FORMAT)
+        if key.mask:  # entries without a mask keep the names they had before masks existed
+            fields["mask"] = key.mask
         digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
         return self.cache_dir / digest[:2] / f"{digest}.safetensors"
 

@@ -82,6 +82,8 @@ def plan_run(config: Config) -> RunPlan:
         preflight += f"\nlatent cache: {cache_status(config, data_plan)}"
     if prompts:
         preflight += f"\neval: {len(prompts)} prompt(s), sampler {config.eval.sampler_name} ({config.eval.scheduler})"
+    if data_plan.validation and not (prompts and config.eval.live.enabled):
+        preflight += "\n  note: the held-out images give val/loss only at live evals (eval.live.enabled)"
     soft = soft_settings(config, data_plan, total_steps)
     resume = None
     found = resolve_resume(config)
