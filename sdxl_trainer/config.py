@@ -316,6 +316,17 @@ class LatentCacheConfig(Section):
     )
 
 
+class TextCacheConfig(Section):
+    enabled: bool = Field(
+        True, description="Cache the outputs of the frozen text encoders on disk (every caption text the run can "
+        "produce); those encoders then leave the training device. A trained encoder always runs live."
+    )
+    cache_dir: str = Field("./cache/text", description="Cache folder.")
+    dtype: Literal["auto", "fp32", "fp16", "bf16"] = Field(
+        "auto", description="Storage dtype; `auto` follows the precision policy (the dtype the encoders compute in)."
+    )
+
+
 class DataConfig(Section):
     image_dir: str = Field(
         "./data/images", description="Folder of images (PNG/JPG/WebP) with same-stem `.txt` captions."
@@ -328,6 +339,11 @@ class DataConfig(Section):
     caption_shuffle_separator: str = Field(",", min_length=1, description="Separator that splits a caption.")
     caption_shuffle_min_tokens: int = Field(2, ge=0, description="Minimum number of parts before shuffling applies.")
     keep_tokens: int = Field(0, ge=0, description="Leading parts never shuffled (trigger words).")
+    caption_shuffle_variants: PositiveInt | None = Field(
+        None, description="A shuffled caption is one of this many fixed orders per caption, drawn from the seed "
+        "(the same with the text cache on or off); `null`: a new order every epoch, which the text cache cannot hold "
+        "(the encoders then run live)."
+    )
     random_flip: bool = Field(False, description="Horizontal flip augmentation.")
     crop: Literal["center", "random"] = Field(
         "center", description="Where images are cropped to their bucket: the center, or a new random place each epoch."
@@ -342,6 +358,7 @@ class DataConfig(Section):
     num_workers: int = Field(2, ge=0, description="Data-loader worker processes.")
     bucket: BucketConfig = Field(default_factory=BucketConfig, description="Aspect-ratio buckets.")
     latent_cache: LatentCacheConfig = Field(default_factory=LatentCacheConfig, description="VAE latent cache.")
+    text_cache: TextCacheConfig = Field(default_factory=TextCacheConfig, description="Text-encoder output cache.")
 
     @field_validator("background_color")
     @classmethod
