@@ -95,6 +95,7 @@ class TrainerStep:
                          "tensorboard": {"enabled": False}},
             "optimizer": {"type": args.optimizer},
             "eval": {"live": {"enabled": False}, "final": {"enabled": False}},
+            "data": {"text_cache": {"enabled": False}},  # its own batches: both encoders run live, as before
         })
         # No data plan: the benchmark feeds its own batches of latents.
         self.run = start_run(config, RunPlan(data=None, total_steps=10**6, prompts=[], preflight=""), pipe)

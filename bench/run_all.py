@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import BENCH, bench_args, quiet_env
 
-BENCHMARKS = ("bench_step", "bench_dora", "bench_data", "bench_convert", "bench_startup")
+BENCHMARKS = ("bench_step", "bench_text_cache", "bench_dora", "bench_data", "bench_convert", "bench_startup")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from .config import ConfigError, FolderOptions
@@ -60,15 +60,54 @@ def read_metadata(path: Path) -> dict[str, str]:
     return captions
 
 
-def augment_caption(caption: str, options: FolderOptions, rng: random.Random) -> str:
+def augment_caption(caption: str, options: FolderOptions, rng: random.Random, seed: int = 0) -> str:
     """Caption dropout (whole caption → empty, the unconditional prompt) and part shuffling
-    that keeps the first `keep_tokens` parts in place."""
+    that keeps the first `keep_tokens` parts in place; with `caption_shuffle_variants` the order
+    is one of that many fixed ones, drawn from the run's `seed` (the text cache holds them)."""
     if rng.random() < options.caption_dropout_prob:
         return ""
-    separator = options.caption_shuffle_separator
-    parts = [part.strip() for part in caption.split(separator) if part.strip()]
-    if len(parts) >= max(2, options.caption_shuffle_min_tokens) and rng.random() < options.caption_shuffle_prob:
-        head, tail = parts[: options.keep_tokens], parts[options.keep_tokens :]
-        rng.shuffle(tail)
-        return f"{separator} ".join(head + tail)
+    if shuffle_applies(caption, options) and rng.random() < options.caption_shuffle_prob:
+        if options.caption_shuffle_variants:
+            return caption_variant(caption, options, seed, rng.randrange(options.caption_shuffle_variants))
+        return shuffle_parts(caption, options, rng)
     return caption
+
+
+def caption_parts(caption: str, options: FolderOptions) -> list[str]:
+    return [part.strip() for part in caption.split(options.caption_shuffle_separator) if part.strip()]
+
+
+def shuffle_applies(caption: str, options: FolderOptions) -> bool:
+    """Whether the caption has enough parts to be shuffled."""
+    return len(caption_parts(caption, options)) >= max(2, options.caption_shuffle_min_tokens)
+
+
+def shuffle_parts(caption: str, options: FolderOptions, rng: random.Random) -> str:
+    parts = caption_parts(caption, options)
+    head, tail = parts[: options.keep_tokens], parts[options.keep_tokens :]
+    rng.shuffle(tail)
+    return f"{options.caption_shuffle_separator} ".join(head + tail)
+
+
+def caption_variant(caption: str, options: FolderOptions, seed: int, variant: int) -> str:
+    """The `variant`-th fixed order of a caption's parts: from the seed and the caption alone, so
+    every image, epoch and process (and a resumed run) draws the same text."""
+    return shuffle_parts(caption, options, random.Random(f"{seed}-variant-{variant}-{caption}"))
+
+
+def possible_captions(captions: Iterable[tuple[str, FolderOptions]], seed: int) -> set[str]:
+    """Every caption text a run can train or validate on, from each image's (caption, caption
+    options): the caption itself (validation uses it unaugmented), the empty caption when dropout
+    is on, and its `caption_shuffle_variants` orders when shuffle is on. A shuffle without
+    variants has no such list (ValueError)."""
+    texts = set()
+    for caption, options in captions:
+        texts.add(caption)
+        if options.caption_dropout_prob > 0:
+            texts.add("")
+        if options.caption_shuffle_prob > 0 and shuffle_applies(caption, options):
+            if not options.caption_shuffle_variants:
+                raise ValueError("caption shuffle without caption_shuffle_variants draws a new order every epoch")
+            texts.update(caption_variant(caption, options, seed, variant)
+                         for variant in range(options.caption_shuffle_variants))
+    return texts

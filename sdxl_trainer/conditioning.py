@@ -24,19 +24,44 @@ def encode_prompts(
     hidden_states = []
     pooled = None
     for tokenizer, text_encoder in zip(tokenizers, text_encoders, strict=True):
-        input_ids = tokenizer(
-            captions, padding="max_length", max_length=tokenizer.model_max_length,
-            truncation=True, return_tensors="pt",
-        ).input_ids.to(device)
-        output = text_encoder(input_ids, output_hidden_states=True)
-        hidden_states.append(output.hidden_states[-2])
-        pooled = output.text_embeds if hasattr(output, "text_embeds") else output.pooler_output
+        if hasattr(text_encoder, "cached_outputs"):  # the text cache's stand-in (text_cache.CachedEncoder)
+            hidden, pooled = text_encoder.cached_outputs(captions, device)
+        elif any(param.requires_grad for param in text_encoder.parameters()):
+            hidden, pooled = encoder_outputs(captions, tokenizer, text_encoder, device)
+        else:
+            hidden, pooled = frozen_encoder_outputs(captions, tokenizer, text_encoder, device)
+        hidden_states.append(hidden)
     prompt_embeds = torch.cat(hidden_states, dim=-1)
     if zero_empty:
         keep = torch.tensor([bool(caption) for caption in captions], device=prompt_embeds.device)
         prompt_embeds = prompt_embeds * keep[:, None, None].to(prompt_embeds.dtype)
         pooled = pooled * keep[:, None].to(pooled.dtype)
     return prompt_embeds, pooled
+
+
+def prompt_ids(tokenizer, captions: list[str]) -> torch.Tensor:
+    """Token ids padded and truncated to the tokenizer's length, as the SDXL pipeline makes them."""
+    return tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+                     return_tensors="pt").input_ids
+
+
+def encoder_outputs(captions: list[str], tokenizer, text_encoder, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """One encoder's (penultimate hidden states, pooled output) for a batch of captions; the pooled
+    output is the projected one where the encoder has a projection (SDXL's encoder 2)."""
+    output = text_encoder(prompt_ids(tokenizer, captions).to(device), output_hidden_states=True)
+    return output.hidden_states[-2], output.text_embeds if hasattr(output, "text_embeds") else output.pooler_output
+
+
+def frozen_encoder_outputs(captions: list[str], tokenizer, text_encoder,
+                           device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A frozen encoder's outputs one caption at a time, exactly as the text cache computes them: a
+    row of a matmul can come out different in its last bit with the batch it is computed in, and a
+    run with the cache must train exactly like one without."""
+    import torch
+
+    with torch.no_grad():
+        rows = [encoder_outputs([caption], tokenizer, text_encoder, device) for caption in captions]
+    return torch.cat([hidden for hidden, _ in rows]), torch.cat([pooled for _, pooled in rows])
 
 
 def add_time_ids(

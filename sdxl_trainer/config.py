@@ -321,6 +321,17 @@ class LatentCacheConfig(Section):
     )
 
 
+class TextCacheConfig(Section):
+    enabled: bool = Field(
+        True, description="Cache the outputs of the frozen text encoders on disk (every caption text the run can "
+        "produce); those encoders then leave the training device. A trained encoder always runs live."
+    )
+    cache_dir: str = Field("./cache/text", description="Cache folder.")
+    dtype: Literal["auto", "fp32", "fp16", "bf16"] = Field(
+        "auto", description="Storage dtype; `auto` follows the precision policy (the dtype the encoders compute in)."
+    )
+
+
 class FolderOptions(Section):
     """What a folder of training images is and how its captions and masks are read: the keys a
     subset shares with `data` (a subset's unset keys take `data`'s values)."""
@@ -339,6 +350,11 @@ class FolderOptions(Section):
     caption_shuffle_separator: str = Field(",", min_length=1, description="Separator that splits a caption.")
     caption_shuffle_min_tokens: int = Field(2, ge=0, description="Minimum number of parts before shuffling applies.")
     keep_tokens: int = Field(0, ge=0, description="Leading parts never shuffled (trigger words).")
+    caption_shuffle_variants: PositiveInt | None = Field(
+        None, description="A shuffled caption is one of this many fixed orders per caption, drawn from the seed "
+        "(the same with the text cache on or off); `null`: a new order every epoch, which the text cache cannot hold "
+        "(the encoders then run live)."
+    )
     alpha_mask: bool = Field(
         False, description="Masked loss: the image's alpha channel weights the loss (opaque = trained; "
         "an image without alpha counts as fully opaque).")
@@ -386,6 +402,7 @@ class DataConfig(FolderOptions):
     )
     bucket: BucketConfig = Field(default_factory=BucketConfig, description="Aspect-ratio buckets.")
     latent_cache: LatentCacheConfig = Field(default_factory=LatentCacheConfig, description="VAE latent cache.")
+    text_cache: TextCacheConfig = Field(default_factory=TextCacheConfig, description="Text-encoder output cache.")
     subsets: list[SubsetConfig] = Field(
         default_factory=list, description="Several folders, each with its own repeats, captions and masks, "
         "or regularization images; a subset's unset keys take the values of `data`. Empty: `data.image_dir` "
@@ -430,6 +447,12 @@ class DataConfig(FolderOptions):
         if not self.subsets:
             return [SubsetConfig(**shared)]
         return [SubsetConfig(**{**shared, **subset.model_dump(exclude_unset=True)}) for subset in self.subsets]
+
+    def shuffles_without_variants(self) -> bool:
+        """Whether some folder shuffles captions into a new order every epoch (no fixed variants):
+        those texts cannot be listed, so the text cache is off."""
+        return any(folder.caption_shuffle_prob > 0 and not folder.caption_shuffle_variants
+                   for folder in self.folders())
 
     def validation_folder(self) -> SubsetConfig | None:
         """`validation_dir` read with `data`'s caption and mask settings, or None."""

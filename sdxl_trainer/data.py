@@ -67,7 +67,7 @@ class ImageCaptionDataset(Dataset):
         flip = self.data.random_flip and rng.random() < 0.5
         crop = plan_crop(record, width, height, flip, rng if self.data.crop == "random" else None)
         sample = {
-            "caption": augment_caption(record.caption, folder, rng),
+            "caption": augment_caption(record.caption, folder, rng, self.seed),
             "original_size": torch.tensor([record.height, record.width]),
             "crop_top_left": torch.tensor([crop.top, crop.left]),
             "target_size": torch.tensor([height, width]),

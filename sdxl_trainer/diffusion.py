@@ -268,12 +268,15 @@ class LossModels:
 
     pipe: StableDiffusionXLPipeline
     unet: torch.nn.Module
-    text_encoders: list[torch.nn.Module]
+    text_encoders: list  # modules, or the text cache's CachedEncoder for the encoders it holds
 
     @classmethod
-    def of(cls, pipe: StableDiffusionXLPipeline) -> LossModels:
-        """The pipeline's own modules, unwrapped (validation loss, tests, benchmarks)."""
-        return cls(pipe, pipe.unet, [pipe.text_encoder, pipe.text_encoder_2])
+    def of(cls, pipe: StableDiffusionXLPipeline, cached: dict | None = None) -> LossModels:
+        """The pipeline's own modules, unwrapped (validation loss, tests, benchmarks); `cached`: the
+        text cache's stand-ins for the encoders it holds, by name."""
+        cached = cached or {}
+        names = ("text_encoder", "text_encoder_2")
+        return cls(pipe, pipe.unet, [cached.get(name, getattr(pipe, name)) for name in names])
 
 
 def scaled_latents(vae: AutoencoderKL, batch: dict, posterior_noise: torch.Tensor, device) -> torch.Tensor:

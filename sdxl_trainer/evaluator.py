@@ -49,13 +49,15 @@ class Evaluator:
     under FSDP a copy holding the gathered full weights."""
 
     def __init__(self, config: Config, prompts: list[EvalPrompt], validation: ValidationSet | None,
-                 loss_fn: Callable[..., torch.Tensor], trained_names: list[str], writer=None):
+                 loss_fn: Callable[..., torch.Tensor], trained_names: list[str], writer=None,
+                 stand_ins: dict[str, torch.nn.Module] | None = None):
         self.config = config
         self.prompts = prompts
         self.validation = validation
         self.loss_fn = loss_fn  # loss_fn(pipe, batch, draws)
         self.trained_names = trained_names
         self.writer = writer
+        self.stand_ins = stand_ins or {}  # recorded outputs of the cached encoders, which are off the device
         self.results: list[dict[str, Any]] = []
 
     def live(self, pipe: StableDiffusionXLPipeline, step: int) -> None:
@@ -68,19 +70,27 @@ class Evaluator:
             if self.writer:
                 self.writer.add_scalar("val/loss", loss, step)
 
-    def final(self, pipe: StableDiffusionXLPipeline, step: int) -> int:
-        """Final eval images; returns how many are invalid (a non-zero count fails the run)."""
+    def final(self, pipe: StableDiffusionXLPipeline, step: int, device=None) -> int:
+        """Final eval images, the pipeline moved to `device` first (the cached encoders stay where
+        they are); returns how many are invalid (a non-zero count fails the run)."""
         if not self.config.eval.final.enabled:
             return 0
         result = self._render(pipe, self.config.output_dir / "eval" / "final", "final", step,
-                              self.config.eval.final.max_batches)
+                              self.config.eval.final.max_batches, device)
         return len(result.invalid)
 
     @property
     def invalid_images(self) -> list[dict[str, str]]:
         return [image for result in self.results for image in result["invalid"]]
 
-    def _render(self, pipe: StableDiffusionXLPipeline, folder: Path, tag: str, step: int, max_batches: int | None):
+    def _render(self, pipe: StableDiffusionXLPipeline, folder: Path, tag: str, step: int, max_batches: int | None,
+                device=None):
+        from .models import with_components
+
+        if self.stand_ins:
+            pipe = with_components(pipe, **self.stand_ins)
+        if device is not None:
+            pipe = pipe.to(device)
         pipe.set_progress_bar_config(disable=True)
         result = run_evaluation(pipe, self.config.eval, self.prompts, folder, tag=tag, step=step,
                                 writer=self.writer, max_batches=max_batches)

@@ -66,6 +66,7 @@ def plan_run(config: Config) -> RunPlan:
     from .checkpointing import check_compatible, check_resume_weights, load_state, resolve_resume, soft_settings
     from .data_plan import EpochSettings, plan_dataset
     from .evaluator import eval_prompts
+    from .text_cache import text_cache_status
 
     prompts = eval_prompts(config)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch / torchrun
@@ -99,6 +100,9 @@ def plan_run(config: Config) -> RunPlan:
         resume = (folder, state)
     elif config.training.resume_from == "latest":
         preflight += f"\nresume: latest: no checkpoint in {config.output_dir / 'checkpoints'} yet; starting a new run"
+    if config.data.text_cache.enabled:  # a resumed run keeps its seed, and the shuffle variants drawn from it
+        seed = resume[1]["seed"] if resume else config.training.seed
+        preflight += f"\ntext cache: {text_cache_status(config, data_plan, seed)}"
     return RunPlan(data_plan, total_steps, prompts, preflight, soft, resume)
 
 

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from .config import Config
 
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+ENCODERS = ("text_encoder", "text_encoder_2")
 
 MPS_FP16_REFUSAL = (
     "fp16 on Apple MPS produces NaN during denoising and black images; "
@@ -48,10 +49,17 @@ class PrecisionPlan:
     compute: str  # autocast dtype, "fp32" means no autocast
     components: dict[str, ComponentPlan]
     warnings: tuple[str, ...] = ()
+    cached: tuple[str, ...] = ()  # text encoders whose outputs come from the text cache (off the device)
 
     @property
     def uses_grad_scaler(self) -> bool:
         return self.compute == "fp16"
+
+    def autocast(self) -> torch.autocast:
+        """The compute precision's autocast region (none for fp32)."""
+        import torch
+
+        return torch.autocast(self.device, dtype=self.torch_dtype(self.compute), enabled=self.compute != "fp32")
 
     def torch_dtype(self, name: str) -> torch.dtype:
         import torch
@@ -61,11 +69,22 @@ class PrecisionPlan:
     def table(self) -> str:
         lines = [f"precision: compute {self.compute} on {self.device}"
                  + (" with a grad scaler" if self.uses_grad_scaler else "") + "; loss in fp32",
-                 "  component        weights  trained  compute"]
+                 "  component        weights  trained  compute  during steps"]
         for name, plan in self.components.items():
             compute = "fp32" if name == "vae" else self.compute
-            lines.append(f"  {name:<16} {plan.storage:<8} {plan.trained or '-':<8} {compute}")
+            place = "cpu (text cache)" if name in self.cached else self.device
+            lines.append(f"  {name:<16} {plan.storage:<8} {plan.trained or '-':<8} {compute:<8} {place}")
         return "\n".join(lines + [f"  warning: {warning}" for warning in self.warnings])
+
+
+def cached_encoders(config: Config) -> tuple[str, ...]:
+    """The frozen encoders whose outputs this run reads from the text cache: none when the cache is
+    off, or when caption shuffle draws a new order every epoch (those texts cannot be listed)."""
+    data = config.data
+    if not data.text_cache.enabled or data.shuffles_without_variants():
+        return ()
+    trained = (config.model.train_text_encoder_1, config.model.train_text_encoder_2)
+    return tuple(name for name, is_trained in zip(ENCODERS, trained, strict=True) if not is_trained)
 
 
 def bf16_supported(device: str) -> bool:
@@ -106,7 +125,7 @@ def plan_precision(config: Config, device: str, bf16_ok: bool | None = None) -> 
             components[name] = ComponentPlan(compute, "fp32" if is_trained else None)
     vae_storage = "fp16" if compute == "fp16" and config.model.vae_fp16_safe else "fp32"
     components["vae"] = ComponentPlan(vae_storage, None)
-    return PrecisionPlan(device, compute, components, tuple(warnings))
+    return PrecisionPlan(device, compute, components, tuple(warnings), cached_encoders(config))
 
 
 def place_pipeline(pipe, plan: PrecisionPlan, device) -> None:

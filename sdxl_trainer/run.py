@@ -25,7 +25,9 @@ from .checkpointing import Position, TrainerSnapshot
 from .config import Config
 from .nan_guard import ABORT, OK, SKIP, NaNGuard
 from .planning import RunPlan
+from .precision import ENCODERS
 from .stop_request import EXIT_INTERRUPTED, StopRequest
+from .text_cache import prepare_text_cache
 
 if TYPE_CHECKING:
     import torch
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     from .latent_cache import LatentCache
     from .output_folder import OutputLock
     from .precision import PrecisionPlan
+    from .text_cache import StandIns
     from .training_setup import Trainable
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -133,6 +136,7 @@ def start_run(config: Config, plan: RunPlan, pipe: StableDiffusionXLPipeline | N
     if pipe is None:
         pipe = load_base_pipeline(config, plan, accelerator)
     noise_scheduler, cache, trainable = setup_models(config, plan, precision, accelerator, pipe)
+    stand_ins = prepare_text_cache(config, plan.data, plan.prompts, accelerator, pipe, seed, precision)
     warmup_steps = schedule_settings(config.training).warmup_steps
     optimizer = make_optimizer(config.optimizer, trainable.param_groups(), accelerator.device.type,
                                precision.components["unet"].trained == "bf16", warmup_steps)
@@ -146,14 +150,12 @@ def start_run(config: Config, plan: RunPlan, pipe: StableDiffusionXLPipeline | N
     unet = forward["unet"]
     if config.model.use_torch_compile:
         unet = torch.compile(unet, **config.model.torch_compile_kwargs)
-    text_encoders = [forward.get(name, getattr(pipe, name)) for name in ("text_encoder", "text_encoder_2")]
-    autocast = torch.autocast(accelerator.device.type, dtype=precision.torch_dtype(precision.compute),
-                              enabled=precision.compute != "fp32")
+    text_encoders = [forward.get(name, stand_ins.loss.get(name, getattr(pipe, name))) for name in ENCODERS]
     training = config.training
     guard = NaNGuard(training.nan_policy if not training.detect_anomaly else "abort", training.max_nan_skips,
                      precision.uses_grad_scaler, consecutive=state["nan_skips"] if state else 0)
     run = Run(config, plan, accelerator, pipe, noise_scheduler, trainable, prepared,
-              LossModels(pipe, unet, text_encoders), optimizer, lr_scheduler, scaler, autocast, guard, seed)
+              LossModels(pipe, unet, text_encoders), optimizer, lr_scheduler, scaler, precision.autocast(), guard, seed)
     run.warmup_steps = warmup_steps
     if is_schedule_free(optimizer):
         optimizer.train()  # it steps only in train mode; a resumed state says so again
@@ -167,7 +169,7 @@ def start_run(config: Config, plan: RunPlan, pipe: StableDiffusionXLPipeline | N
         open_data(run, cache)
     if accelerator.is_main_process:
         run.writer = open_writer(run, precision)
-        run.evaluator = make_evaluator(run, cache)
+        run.evaluator = make_evaluator(run, cache, stand_ins)
     run.lock, run.first_step, run.started = lock, run.position.step, time.time()
     if state:  # from here on every process draws what it would have drawn next
         set_rng_state(state["rng"][accelerator.process_index % len(state["rng"])])
@@ -335,7 +337,7 @@ def open_writer(run: Run, precision: PrecisionPlan):
     return open_tensorboard(run.config, run.plan.preflight + "\n" + precision.table())
 
 
-def make_evaluator(run: Run, cache: LatentCache | None) -> Evaluator | None:
+def make_evaluator(run: Run, cache: LatentCache | None, stand_ins: StandIns) -> Evaluator | None:
     """Eval images and the validation loss (main process; None when eval is off)."""
     from .diffusion import LossModels, diffusion_loss
     from .evaluator import Evaluator, make_validation, validation_batches
@@ -348,9 +350,10 @@ def make_evaluator(run: Run, cache: LatentCache | None) -> Evaluator | None:
         validation = make_validation(batches, run.noise_scheduler.config.num_train_timesteps, run.seed)
 
     def eval_loss(pipe: StableDiffusionXLPipeline, batch: dict, draws) -> torch.Tensor:
-        return diffusion_loss(LossModels.of(pipe), run.noise_scheduler, batch, draws, run.device)
+        return diffusion_loss(LossModels.of(pipe, stand_ins.loss), run.noise_scheduler, batch, draws, run.device)
 
-    return Evaluator(run.config, run.plan.prompts, validation, eval_loss, list(run.trainable.modules), run.writer)
+    return Evaluator(run.config, run.plan.prompts, validation, eval_loss, list(run.trainable.modules), run.writer,
+                     stand_ins.eval)
 
 
 # ------------------------------------------------------------------------------------- steps
@@ -624,7 +627,7 @@ def final_writes(run: Run, pipe: StableDiffusionXLPipeline, snapshot: TrainerSna
     checkpointing.save_state(config.state_path, config, run.plan.soft, snapshot)
     if run.evaluator:
         yield "final eval"
-        run.tally.invalid_final_images = run.evaluator.final(pipe.to(run.device), run.position.step)
+        run.tally.invalid_final_images = run.evaluator.final(pipe, run.position.step, run.device)
 
 
 def interrupt_final(run: Run, pipe: StableDiffusionXLPipeline, snapshot: TrainerSnapshot, pending: str) -> int:

@@ -28,6 +28,7 @@ def tiny_config(tmp_path: Path, **sections: dict[str, Any]) -> dict[str, Any]:
             "image_dir": str(DATA_DIR), "size": 64, "num_workers": 0,
             "bucket": {"resolutions": [[64, 64], [96, 64], [64, 96]], "divisible_by": 32, "batch_size": 2},
             "latent_cache": {"cache_dir": str(tmp_path / "latents")},
+            "text_cache": {"cache_dir": str(tmp_path / "text")},
         },
         "optimizer": {"type": "adamw"},
         "export": {"save_single_file": False, "adapter_formats": ["diffusers"]},

@@ -54,6 +54,13 @@ def test_cpu_benchmarks_smoke(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
             assert_positive(row, "trainable_params_M")
     assert_positive(step["train_sdxl.train(), DoRA rank 4"], "peak_rss_MB")
 
+    text_cache = {row["step"]: row for row in rows_of(tmp_path / "text_cache.json")}
+    assert len(text_cache) == 12  # 4 step modes, 2 conditioning rows, 6 full-size measures
+    for name, row in text_cache.items():
+        assert_positive(row, "value" if name.startswith("full size") else "vs_uncached")
+    # Exact at full size: (77×768 + 77×1280 + 1280) bf16 values and two safetensors headers.
+    assert 317_952 < text_cache["full size: bytes per cached caption, both encoders, bf16"]["value"] < 320_000
+
     for row in rows_of(tmp_path / "data.json"):
         assert_positive(row, "seconds", "images_per_s")
 
