@@ -5,7 +5,6 @@ the exit code need. Rendering itself is in `evaluation.py`, the loss in `validat
 from __future__ import annotations
 
 import functools
-from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -112,16 +111,14 @@ def make_validation(batches: list[dict], num_train_timesteps: int, seed: int) ->
 def validation_batches(data_plan: DatasetPlan, config: Config, seed: int, cache) -> list[dict]:
     """The held-out images (at most `HELD_OUT_BATCHES` batches of one bucket each) or, without
     any, the first few batches of the training data; without augmentation, always the same."""
+    from .bucket_sampler import BucketBatchSampler
     from .data import ImageCaptionDataset, collate
     from .data_plan import Sample
 
     if data_plan.validation:
         samples = data_plan.validation
-        by_target: dict[tuple[int, int], list[int]] = defaultdict(list)
-        for index, sample in enumerate(samples):
-            by_target[sample.target].append(index)
-        chosen = [group[start : start + data_plan.batch_sizes[target]] for target, group in sorted(by_target.items())
-                  for start in range(0, len(group), data_plan.batch_sizes[target])][:HELD_OUT_BATCHES]
+        batches = BucketBatchSampler([s.target for s in samples], data_plan.batch_sizes, False, seed).batches(epoch=0)
+        chosen = batches[:HELD_OUT_BATCHES]
     else:
         samples = data_plan.samples
         chosen = data_plan.sampler(seed).batches(epoch=0)[:VALIDATION_BATCHES]

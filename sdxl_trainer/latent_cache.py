@@ -70,6 +70,31 @@ def vae_fingerprint_from_files(weight_files: list[Path], prefix: str = "") -> st
     return vae_fingerprint(tensors())
 
 
+def load_checked_entry(path: Path, shapes: dict[str, tuple[int, ...]], dtype: str) -> dict[str, torch.Tensor] | None:
+    """A cache entry's tensors if it holds exactly `shapes`, in `dtype` ("fp32", "fp16" or "bf16"),
+    all finite; None when it is missing or anything else (a damaged entry is deleted, to be rebuilt).
+    The latent cache and the text cache read their entries through here."""
+    import torch
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        return None
+    try:
+        tensors = load_file(path)
+    except Exception:  # any unreadable entry is a miss that gets rebuilt
+        tensors = None
+    valid = (
+        tensors is not None
+        and set(tensors) == set(shapes)
+        and all(tuple(t.shape) == shapes[name] and t.dtype == getattr(torch, DTYPES[dtype])
+                and bool(torch.isfinite(t).all()) for name, t in tensors.items())
+    )
+    if not valid:
+        path.unlink(missing_ok=True)
+        return None
+    return tensors
+
+
 class LatentCache:
     """Reads and writes cached latents under `cache_dir` for one VAE, dtype and storage mode."""
 
@@ -91,29 +116,10 @@ class LatentCache:
 
     def load(self, key: LatentKey) -> dict[str, torch.Tensor] | None:
         """The cached tensors, or None when missing or damaged (a damaged entry is deleted)."""
-        import torch
-        from safetensors.torch import load_file
-
-        path = self.path(key)
-        if not path.is_file():
-            return None
         grid = (key.height // 8, key.width // 8)
-        try:
-            tensors = load_file(path)
-        except Exception:  # any unreadable entry is a miss that gets rebuilt
-            tensors = None
         shapes = {"mean": (4, *grid)} | ({"std": (4, *grid)} if self.stored == "sample" else {}) | (
             {"mask": (1, *grid)} if key.mask else {})
-        valid = (
-            tensors is not None
-            and set(tensors) == set(shapes)
-            and all(tuple(t.shape) == shapes[name] and t.dtype == getattr(torch, DTYPES[self.dtype])
-                    and bool(torch.isfinite(t).all()) for name, t in tensors.items())
-        )
-        if not valid:
-            path.unlink(missing_ok=True)
-            return None
-        return tensors
+        return load_checked_entry(self.path(key), shapes, self.dtype)
 
     def save(self, key: LatentKey, mean: torch.Tensor, std: torch.Tensor | None,
              mask: torch.Tensor | None = None) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .atomic import atomic_path
-from .latent_cache import DTYPES
+from .latent_cache import DTYPES, load_checked_entry
 from .latent_cache import vae_fingerprint as weights_fingerprint
 from .precision import ENCODERS, cached_encoders
 
@@ -75,27 +75,7 @@ class TextCache:
 
     def load(self, name: str, text: str) -> dict[str, torch.Tensor] | None:
         """The cached tensors, or None when missing or damaged (a damaged entry is deleted)."""
-        import torch
-        from safetensors.torch import load_file
-
-        path = self.path(name, text)
-        if not path.is_file():
-            return None
-        try:
-            tensors = load_file(path)
-        except Exception:  # any unreadable entry is a miss that gets rebuilt
-            tensors = None
-        shapes = self.encoders[name].shapes
-        valid = (
-            tensors is not None
-            and set(tensors) == set(shapes)
-            and all(tuple(t.shape) == shapes[key] and t.dtype == getattr(torch, DTYPES[self.dtype])
-                    and bool(torch.isfinite(t).all()) for key, t in tensors.items())
-        )
-        if not valid:
-            path.unlink(missing_ok=True)
-            return None
-        return tensors
+        return load_checked_entry(self.path(name, text), self.encoders[name].shapes, self.dtype)
 
     def save(self, name: str, text: str, tensors: dict[str, torch.Tensor]) -> None:
         import torch
