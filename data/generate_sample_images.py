@@ -1,63 +1,53 @@
-"""Regenerate the sample dataset in data/images (procedural shapes; nothing is downloaded).
+"""Regenerate the sample dataset in data/images: the quickstart's new concept (nothing is downloaded).
 
     python data/generate_sample_images.py
 
-The images are committed; this script documents how they were made and rebuilds them exactly.
+Eighteen world-of-shapes images of a *cross*, a shape and a word the pretrained built-in tiny SDXL
+has never seen, on the world's backgrounds, with captions in its grammar ("a red cross, blue
+background"). Three image sizes, so the quickstart fills three aspect buckets.
+
+It also writes the eval prompts: data/eval_prompts.quickstart.json (group "concept": crosses the
+training images do not show; group "prior": scenes of the shapes the model knew, which training
+should not forget) and data/eval_prompts.world.json (held-out scenes of the pretraining world,
+for the pretrained model's own prompt accuracy). The files are committed; this script documents
+how they were made and rebuilds them exactly.
 """
 
 from __future__ import annotations
 
 import random
+import sys
 from pathlib import Path
 
-from PIL import Image, ImageDraw
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-COLORS = {
-    "red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (240, 210, 40),
-    "orange": (250, 140, 30), "purple": (140, 60, 190), "white": (245, 245, 245), "black": (20, 20, 20),
-}
-SHAPES = ("circle", "square", "triangle", "ring")
-SIZES = ((192, 128), (128, 192), (160, 160), (224, 128), (128, 224), (176, 144))
+from sdxl_trainer.atomic import write_json
+from sdxl_trainer.world.scenes import WorldSettings, caption, render, sample_scene, scene_for_seed
 
-
-def draw_shape(draw: ImageDraw.ImageDraw, shape: str, box: tuple[int, int, int, int], color) -> None:
-    left, top, right, bottom = box
-    if shape == "circle":
-        draw.ellipse(box, fill=color)
-    elif shape == "square":
-        draw.rectangle(box, fill=color)
-    elif shape == "triangle":
-        draw.polygon([((left + right) // 2, top), (right, bottom), (left, bottom)], fill=color)
-    else:
-        draw.ellipse(box, outline=color, width=max(3, (right - left) // 8))
-
-
-def make_image(index: int, rng: random.Random) -> tuple[Image.Image, str]:
-    width, height = SIZES[index % len(SIZES)]
-    background, foreground = rng.sample(sorted(COLORS), 2)
-    shape = SHAPES[index % len(SHAPES)]
-    image = Image.new("RGB", (width, height), COLORS[background])
-    draw = ImageDraw.Draw(image)
-    if index % 3 == 0:  # some images get stripes behind the shape
-        for x in range(0, width, 16):
-            draw.rectangle((x, 0, x + 7, height), fill=tuple(c // 2 + 60 for c in COLORS[background]))
-    side = min(width, height) * rng.randint(45, 70) // 100
-    left = rng.randint(4, width - side - 4)
-    top = rng.randint(4, height - side - 4)
-    draw_shape(draw, shape, (left, top, left + side, top + side), COLORS[foreground])
-    stripes = ", stripes" if index % 3 == 0 else ""
-    caption = f"tok, a {foreground} {shape}, {background} background{stripes}, small pattern"
-    return image, caption
+SIZES = ((96, 64), (64, 96), (64, 64))
+CONCEPT = WorldSettings(shapes=("cross",), two_shape_fraction=0.0)
+SEED = 2024
+CONCEPT_PROMPTS, PRIOR_PROMPTS, WORLD_PROMPTS = 16, 32, 64
+HELD_OUT = 10**6  # world scenes from this seed on were never in the pretraining data
 
 
 def main() -> None:
     folder = Path(__file__).parent / "images"
     folder.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(1234)
+    rng = random.Random(SEED)
     for index in range(18):
-        image, caption = make_image(index, rng)
+        scene = sample_scene(rng, CONCEPT)
+        image, _ = render(scene, *SIZES[index % len(SIZES)])
         image.save(folder / f"shape_{index:02d}.png", optimize=True)
-        (folder / f"shape_{index:02d}.txt").write_text(caption + "\n", encoding="utf-8")
+        (folder / f"shape_{index:02d}.txt").write_text(caption(scene) + "\n", encoding="utf-8")
+    concept = [sample_scene(rng, CONCEPT) for _ in range(CONCEPT_PROMPTS)]
+    prior = [scene_for_seed(HELD_OUT + index) for index in range(WORLD_PROMPTS)]
+    entries = [{"prompt": caption(scene), "seed": index, "group": "concept"} for index, scene in enumerate(concept)]
+    entries += [{"prompt": caption(scene), "seed": 100 + index, "group": "prior"}
+                for index, scene in enumerate(prior[:PRIOR_PROMPTS])]
+    write_json(folder.parent / "eval_prompts.quickstart.json", entries)
+    write_json(folder.parent / "eval_prompts.world.json",
+               [{"prompt": caption(scene), "seed": index, "group": "world"} for index, scene in enumerate(prior)])
 
 
 if __name__ == "__main__":

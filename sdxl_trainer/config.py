@@ -44,8 +44,8 @@ class ModelConfig(Section):
     id: str = Field(
         "stabilityai/stable-diffusion-xl-base-1.0",
         description="Base model: hub id, local diffusers folder, single-file SDXL `.safetensors`, "
-        "or `builtin:tiny-sdxl` (a small random SDXL-architecture model built locally for the "
-        "quickstart, tests and benchmarks).",
+        "or `builtin:tiny-sdxl` (a small SDXL-architecture model shipped with the trainer, pretrained on a world "
+        "of coloured shapes, for the quickstart, tests and benchmarks).",
     )
     config_dir: str | None = Field(
         None,
@@ -511,6 +511,8 @@ class ExportConfig(Section):
 class LiveEvalConfig(Section):
     enabled: bool = Field(False, description="Render eval prompts during training.")
     every_n_steps: PositiveInt = Field(500, description="Live eval interval in steps.")
+    at_start: bool = Field(False, description="Also render before the first step (step 0, the model as loaded); "
+                           "not on resume.")
     max_batches: PositiveInt | None = Field(None, description="Render only the first N prompts.")
 
 
@@ -538,6 +540,10 @@ class EvalConfig(Section):
     height: PositiveInt = Field(1024, description="Default height.")
     width: PositiveInt = Field(1024, description="Default width.")
     use_ema: bool = Field(False, description="Render with EMA weights swapped in.")
+    judge: Literal["none", "shapes"] = Field(
+        "none", description="`shapes`: read every eval image whose prompt is in the world-of-shapes grammar (`a red "
+        "circle, blue background`) with the shapes judge and report the fraction that shows what its prompt says, "
+        "per prompt `group` (printed, in TensorBoard and run_summary.json); for `builtin:tiny-sdxl`.")
     live: LiveEvalConfig = Field(default_factory=LiveEvalConfig, description="Evaluation during training.")
     final: FinalEvalConfig = Field(default_factory=FinalEvalConfig, description="Evaluation after training.")
 

@@ -7,7 +7,8 @@
 (counting from 0, like the image file names), so every image keeps its seed from one eval to the
 next and eval images stay comparable across training steps. The size is `width` and `height`, or
 one `resolution` (or `size`) string "WIDTHxHEIGHT"; what is not given comes from `eval.width` and
-`eval.height`. Every problem is a ConfigError naming the file and the entry, found before training.
+`eval.height`. `group` names a set of prompts whose accuracy `eval.judge` reports together
+(e.g. "concept" and "prior"). Every problem is a ConfigError naming the file and the entry, found before training.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .config import BUCKET_KEY, ConfigError, closest
 
 SIZE_MULTIPLE = 8  # the VAE's downsampling factor: latents need whole pixels
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
-KEYS = ("prompt", "negative_prompt", "seed", "height", "width", "resolution", "size")
+KEYS = ("prompt", "negative_prompt", "seed", "height", "width", "resolution", "size", "group")
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class EvalPrompt:
     seed: int
     width: int
     height: int
+    group: str = ""  # prompts are judged per group (`eval.judge`), e.g. "concept" and "prior"
 
 
 def load_prompts(path: str | Path, default_width: int, default_height: int) -> list[EvalPrompt]:
@@ -80,7 +82,10 @@ def _parse_entry(entry: Any, index: int, default_width: int, default_height: int
     if not _is_int(seed) or not 0 <= seed <= MAX_SEED:
         raise ValueError(f'"seed" must be an integer from 0 to 2**64 - 1, not {json.dumps(seed)}')
     width, height = _size(entry, default_width, default_height)
-    return EvalPrompt(entry["prompt"], negative_prompt, seed, width, height)
+    group = entry.get("group", "")
+    if not isinstance(group, str):
+        raise ValueError('"group" must be a string')
+    return EvalPrompt(entry["prompt"], negative_prompt, seed, width, height, group)
 
 
 def _size(entry: dict[str, Any], default_width: int, default_height: int) -> tuple[int, int]:

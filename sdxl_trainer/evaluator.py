@@ -93,10 +93,26 @@ class Evaluator:
         pipe.set_progress_bar_config(disable=True)
         result = run_evaluation(pipe, self.config.eval, self.prompts, folder, tag=tag, step=step,
                                 writer=self.writer, max_batches=max_batches)
-        self.results.append(result.summary())
+        summary = {"tag": tag, "step": step, **result.summary()}
         if self.writer:
             self.writer.add_scalar(f"eval/{tag}_invalid_images", len(result.invalid), step)
+        if self.config.eval.judge == "shapes":
+            summary["accuracy"] = self._judge(result.images, tag, step)
+        self.results.append(summary)
         return result
+
+    def _judge(self, images: list[Path], tag: str, step: int) -> dict[str, float]:
+        """Prompt accuracy per group, printed and logged as `eval/<tag>/accuracy/<group>`."""
+        from .world.accuracy import prompt_accuracy
+
+        groups = prompt_accuracy(self.prompts[:len(images)], images)
+        if groups:
+            print(f"eval/{tag} step {step}: prompt accuracy (shapes judge): "
+                  + ", ".join(group.describe() for group in groups), flush=True)
+        for group in groups:
+            if self.writer:
+                self.writer.add_scalar(f"eval/{tag}/accuracy/{group.group or 'all'}", group.accuracy, step)
+        return {group.group or "all": group.accuracy for group in groups}
 
 
 def make_validation(batches: list[dict], num_train_timesteps: int, seed: int) -> ValidationSet:

@@ -95,6 +95,35 @@ def own_defaults(optimizer: OptimizerConfig, kind: str, warmup_steps: int) -> di
     return settings
 
 
+def apply_configured_settings(optimizer: Any, scheduler: Any, configured: list[dict[str, Any]],
+                              config: OptimizerConfig, names: list[str]) -> list[str]:
+    """On resume, the config's learning rates and optimizer settings replace the checkpoint's.
+
+    A restored optimizer state brings back the `lr`, `weight_decay`, betas… it was saved with, and
+    the LR schedule its base rates; users lower a rate mid-run to tame a divergence, so what the
+    config says now wins. `configured` are the param groups as built from the config (before the
+    state was loaded). Only the keys the config sets are taken: an optimizer's own running values
+    in its groups (Prodigy's d, schedule-free's weight sum) stay as restored. Returns one line per
+    change, "name key: old → new".
+    """
+    scheduler = getattr(scheduler, "scheduler", scheduler)  # accelerate's wrapper holds the LambdaLR
+    keys = set(own_defaults(config, config.type, 0)) | set(config.args)
+    keys.discard("warmup_steps")  # schedule-free's: restored with its own running values
+    changes = []
+    for index, (group, fresh, name) in enumerate(zip(optimizer.param_groups, configured, names, strict=True)):
+        for key in sorted(keys & group.keys()):
+            if group[key] != fresh[key]:
+                changes.append(f"{name} {key}: {group[key]} → {fresh[key]}")
+                group[key] = fresh[key]
+        old_base, new_base = scheduler.base_lrs[index], fresh["initial_lr"]
+        if old_base != new_base:
+            changes.append(f"{name} learning rate: {old_base:g} → {new_base:g}")
+            scheduler.base_lrs[index] = group["initial_lr"] = new_base
+            group["lr"] = new_base * scheduler.lr_lambdas[index](scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    return changes
+
+
 def is_schedule_free(optimizer: Any) -> bool:
     return hasattr(getattr(optimizer, "optimizer", optimizer), "eval") and \
         "ScheduleFree" in type(getattr(optimizer, "optimizer", optimizer)).__name__

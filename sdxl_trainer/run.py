@@ -156,7 +156,6 @@ def start_run(config: Config, plan: RunPlan, pipe: StableDiffusionXLPipeline | N
                      precision.uses_grad_scaler, consecutive=state["nan_skips"] if state else 0)
     run = Run(config, plan, accelerator, pipe, noise_scheduler, trainable, prepared,
               LossModels(pipe, unet, text_encoders), optimizer, lr_scheduler, scaler, precision.autocast(), guard, seed)
-    run.warmup_steps = warmup_steps
     if is_schedule_free(optimizer):
         optimizer.train()  # it steps only in train mode; a resumed state says so again
     if state:
@@ -170,10 +169,12 @@ def start_run(config: Config, plan: RunPlan, pipe: StableDiffusionXLPipeline | N
     if accelerator.is_main_process:
         run.writer = open_writer(run, precision)
         run.evaluator = make_evaluator(run, cache, stand_ins)
-    run.lock, run.first_step, run.started = lock, run.position.step, time.time()
+    run.lock, run.first_step, run.started, run.warmup_steps = lock, run.position.step, time.time(), warmup_steps
     if state:  # from here on every process draws what it would have drawn next
         set_rng_state(state["rng"][accelerator.process_index % len(state["rng"])])
     run.stop = StopRequest()
+    if plan.prompts and not state and config.eval.live.enabled and config.eval.live.at_start:
+        live_eval(run, 0)  # the "before" picture
     run.progress = tqdm(total=plan.total_steps, initial=run.position.step, desc="training",
                         disable=not accelerator.is_main_process)
     return run
@@ -302,9 +303,14 @@ def restore_training_state(run: Run, state: dict[str, Any]) -> None:
     """Optimizer, LR schedule, grad scaler, data position and EMA of the run being resumed."""
     from .distributed import load_optimizer_state
     from .ema import EMA
+    from .optimizers import apply_configured_settings
 
+    configured = [dict(group) for group in run.optimizer.param_groups]
     load_optimizer_state(run.accelerator, run.prepared[0], run.optimizer, state["optimizer"])
     run.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    for change in apply_configured_settings(run.optimizer, run.lr_scheduler, configured, run.config.optimizer,
+                                            run.trainable.group_names):
+        run.accelerator.print(f"resume: the config changes {change} (the config's value is used)")
     run.scaler.load_state_dict(state["scaler"])
     run.position = Position(**state["position"])
     run.earlier_seconds = state.get("seconds", 0.0)  # absent in states written before it was saved
@@ -426,10 +432,9 @@ def after_step(run: Run, result: StepResult) -> None:
     """What follows an optimizer step: EMA, logging, the rank check and live eval, as due."""
     import torch
 
-    from .distributed import gather_pipeline, is_sharded
+    from .distributed import is_sharded
     from .ema import EMA
     from .evaluator import live_eval_due
-    from .optimizers import averaged_weights
     from .outputs import log_step
 
     config, step, tally = run.config, run.position.step, run.tally
@@ -450,13 +455,22 @@ def after_step(run: Run, result: StepResult) -> None:
         check_ranks_agree(run, step)
         tally.rank_checks += 1
     if run.plan.prompts and live_eval_due(config, step):
-        use_ema = run.ema and run.evaluator and config.eval.use_ema
-        with (averaged_weights(run.optimizer, run.trained_params),
-              run.ema.swapped_in() if use_ema else contextlib.nullcontext()):
-            full = gather_pipeline(run.accelerator, run.pipe, run.trainable, run.device)
-            if run.evaluator:
-                run.evaluator.live(full, step)
-        del full  # under FSDP a whole copy of the trained weights
+        live_eval(run, step)
+
+
+def live_eval(run: Run, step: int) -> None:
+    """Live eval images and validation loss, with the weights eval should see (every process
+    calls it: under FSDP gathering the weights is collective)."""
+    from .distributed import gather_pipeline
+    from .optimizers import averaged_weights
+
+    use_ema = run.ema and run.evaluator and run.config.eval.use_ema
+    with (averaged_weights(run.optimizer, run.trained_params),
+          run.ema.swapped_in() if use_ema else contextlib.nullcontext()):
+        full = gather_pipeline(run.accelerator, run.pipe, run.trainable, run.device)
+        if run.evaluator:
+            run.evaluator.live(full, step)
+    del full  # under FSDP a whole copy of the trained weights
 
 
 def check_ranks_agree(run: Run, step: int) -> None:

@@ -1,8 +1,11 @@
-"""The built-in tiny SDXL: real SDXL topology, random weights, built locally and deterministically.
+"""The built-in tiny SDXL: real SDXL topology, pretrained on the world of shapes, shipped in the package.
 
-It exists so that the quickstart, the tests and the benchmarks run offline on a laptop CPU and go
-through exactly the same loading code as a real model: it is written once as a diffusers
-pipeline folder and then loaded from that folder.
+It exists so that the quickstart, the tests and the benchmarks run offline on a laptop CPU, go
+through exactly the same loading code as a real model, and show learning a person and a test can
+see: its UNet and text encoders were trained by this trainer on `world/scenes.py`'s images
+(tools/pretrain_tiny_sdxl.py rebuilds the weights from nothing). The architecture is built here
+from code with fixed seeds, the shipped fp16 weights (checked against their sha256) are loaded
+into it, and the result is written once as a diffusers pipeline folder and loaded from there.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from pathlib import Path
 BUILTIN_PREFIX = "builtin:"
 TINY_SDXL = "builtin:tiny-sdxl"
 # Bump when the architecture or the tokenizer below changes: the cache folder is keyed by it.
-TINY_SDXL_VERSION = 1
+TINY_SDXL_VERSION = 2
+# The sha256 of the shipped weights (tools/pretrain_tiny_sdxl.py prints it when it writes them).
+TINY_SDXL_SHA256 = "0" * 64
 
 # Words the tiny tokenizer knows as whole tokens; anything else falls back to single characters.
 _TOKENIZER_WORDS = (
@@ -23,8 +28,13 @@ _TOKENIZER_WORDS = (
     "orange", "purple", "white", "black", "gray", "circle", "square", "triangle", "stripes",
     "gradient", "checkerboard", "dots", "ring", "background", "foreground", "small", "large",
     "pattern", "shape", "colorful", "bright", "dark", "sky", "sunset", "portrait", "landscape",
-    "painting", "style", "tok",
+    "painting", "style", "tok", "cross",
 )
+
+
+def shipped_weights_path() -> Path:
+    """The pretrained weights of the tiny SDXL, shipped in the package (tools/pretrain_tiny_sdxl.py makes them)."""
+    return Path(__file__).resolve().parent / "weights" / "tiny_sdxl.fp16.safetensors"
 
 
 def default_cache_dir() -> Path:
@@ -34,8 +44,9 @@ def default_cache_dir() -> Path:
 
 
 def tiny_sdxl_folder(cache_dir: Path | None = None) -> Path:
-    """Where the tiny SDXL pipeline lives (it may not be built yet)."""
-    return (cache_dir or default_cache_dir()) / f"tiny-sdxl-v{TINY_SDXL_VERSION}"
+    """Where the tiny SDXL pipeline lives (it may not be built yet); named by the weights' hash, so
+    new shipped weights are a new folder."""
+    return (cache_dir or default_cache_dir()) / f"tiny-sdxl-v{TINY_SDXL_VERSION}-{TINY_SDXL_SHA256[:12]}"
 
 
 def tiny_sdxl_path(cache_dir: Path | None = None) -> Path:
@@ -50,7 +61,7 @@ def _build_atomically(folder: Path) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
     try:
-        build_tiny_sdxl_pipeline().save_pretrained(tmp, safe_serialization=True)
+        build_pretrained_tiny_sdxl().save_pretrained(tmp, safe_serialization=True)
         try:
             tmp.rename(folder)
         except OSError:
@@ -110,8 +121,34 @@ def build_tiny_tokenizers():
     return tokenizer, tokenizer_2
 
 
+def build_pretrained_tiny_sdxl():
+    """The tiny SDXL architecture with the shipped pretrained weights, after checking their hash."""
+    import hashlib
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    path = shipped_weights_path()
+    digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "missing"
+    if digest != TINY_SDXL_SHA256:
+        raise RuntimeError(f"{path}: sha256 {digest}, expected {TINY_SDXL_SHA256}; the shipped weights of the "
+                           "built-in tiny SDXL are damaged (git checkout the file, or rebuild them with "
+                           "tools/pretrain_tiny_sdxl.py)")
+    pipe = build_tiny_sdxl_pipeline()
+    tensors = load_file(path)
+    for name in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        component = getattr(pipe, name)
+        prefix = name + "."
+        state = {key[len(prefix):]: value.float() for key, value in tensors.items() if key.startswith(prefix)}
+        component.load_state_dict(state, strict=True, assign=False)
+    with safe_open(path, "pt") as handle:
+        pipe.vae.register_to_config(scaling_factor=float(handle.metadata()["vae_scaling_factor"]))
+    return pipe
+
+
 def build_tiny_sdxl_pipeline():
-    """Build the tiny SDXL pipeline in memory with fixed seeds (same weights on every machine)."""
+    """The tiny SDXL architecture with random weights from fixed seeds (the pretraining recipe's
+    starting point; the same weights on every machine)."""
     import torch
     from diffusers import (
         AutoencoderKL,
@@ -158,7 +195,9 @@ def build_tiny_sdxl_pipeline():
         block_out_channels=(32, 32, 64, 64),
         layers_per_block=2,
         latent_channels=4,
-        norm_num_groups=32,
+        # 8 groups, not 32: with one channel per group the norm is an instance norm, which erases a
+        # flat colour's value (the world's backgrounds and shapes are flat colours).
+        norm_num_groups=1,
         sample_size=64,
         scaling_factor=0.13025,
         force_upcast=True,
@@ -166,7 +205,7 @@ def build_tiny_sdxl_pipeline():
     # SDXL base's own scheduler settings.
     scheduler = EulerDiscreteScheduler(
         num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012,
-        beta_schedule="scaled_linear", prediction_type="epsilon", timestep_spacing="leading",
+        beta_schedule="scaled_linear", prediction_type="v_prediction", timestep_spacing="leading",
         steps_offset=1,
     )
     return StableDiffusionXLPipeline(

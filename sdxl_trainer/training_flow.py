@@ -10,6 +10,7 @@ code training runs (loading, precision policy, data, draws, conditioning, loss),
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,21 @@ class FlowResult:
     tokens: list[str]  # the caption's tokens, start and end tokens included
     heatmaps: torch.Tensor  # [tokens, height, width] in [0, 1]
     predicted_latents: torch.Tensor = field(repr=False)
+    clean_image: Any = field(default=None, repr=False)  # the clean latents decoded: what x0 should look like
+
+    def x0_psnr(self) -> float:
+        """PSNR (dB) of the decoded x0 estimate against the decoded clean latents."""
+        error = float(((self.predicted_image - self.clean_image) ** 2).mean())
+        return 10 * math.log10(1.0 / max(error, 1e-12))
+
+
+def heat_inside(heatmap: torch.Tensor, mask: Any) -> float:
+    """The fraction of a token's heat (a [h, w] map) that falls inside `mask` (a boolean image of
+    any size that is a multiple of the map's): where the model looks when it reads the token."""
+    height, width = heatmap.shape
+    weights = torch.as_tensor(mask, dtype=torch.float32)[None, None]
+    inside = torch.nn.functional.adaptive_avg_pool2d(weights, (height, width))[0, 0]
+    return float((heatmap * inside).sum() / heatmap.sum().clamp(min=1e-12))
 
 
 def load_flow_models(config: Config, adapter: str | Path | None = None, device: str | None = None) -> FlowModels:
@@ -175,4 +191,4 @@ def forward_at(models: FlowModels, sample: dict, timestep: int) -> FlowResult:
         picture = (batch["pixel_values"][0] / 2 + 0.5).clamp(0, 1).permute(1, 2, 0).numpy()
         heatmaps = token_heatmaps(records, (height // 8, width // 8), len(tokens)).cpu()
         return FlowResult(timestep, picture, decode_latents(pipe, vae, noisy), decode_latents(pipe, vae, x0),
-                          float(loss), tokens, heatmaps, x0)
+                          float(loss), tokens, heatmaps, x0, decode_latents(pipe, vae, latents))

@@ -73,6 +73,13 @@ def test_cpu_benchmarks_smoke(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
     for name in ("train_sdxl.py --help", "train_sdxl.py --dry-run (quickstart)"):
         assert_positive(startup[name], "seconds", "peak_rss_MB")
 
+    learning = rows_of(tmp_path / "learning.json")
+    assert [row["method"] for row in learning] == ["DoRA rank 4 (quickstart)", "LoRA rank 4"]
+    for row in learning:  # accuracies are fractions; at 4 steps they may well be 0
+        assert {"concept@0", "concept@2", "concept@4", "concept_final", "prior_final"} <= row.keys()
+        assert all(0.0 <= row[key] <= 1.0 for key in row if key != "method")
+    assert (tmp_path / "learning_grid.png").stat().st_size > 1000
+
     preflight = rows_of(tmp_path / "preflight.json")
     assert [(row["images"], row["scan_cache"], row["workers"]) for row in preflight] == [
         (12, "cold", 1), (12, "cold", 2), (12, "warm", 2)]

@@ -361,7 +361,7 @@ def test_tiny_file_orientation_dtypes_and_metadata(files: dict[bool, Path], tiny
     assert metadata["modelspec.sai_model_spec"] == "1.0.0"
     assert metadata["modelspec.implementation"] == "sgm"
     assert metadata["modelspec.title"] == tiny_sdxl_dir.name
-    assert metadata["modelspec.prediction_type"] == "epsilon"
+    assert metadata["modelspec.prediction_type"] == "v"  # the built-in tiny SDXL is a v-prediction model
     assert metadata["modelspec.date"][:2] == "20"
 
 

@@ -175,3 +175,54 @@ def test_a_real_browser_drives_the_page(flow, tmp_path: Path) -> None:
         browser.quit()
         demo.close()
     assert (tmp_path / "page.png").stat().st_size > 10_000
+
+
+@pytest.fixture(scope="module")
+def world_flow(tiny_sdxl_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The demo on held-out world scenes of one known shape each: their samples and shape masks."""
+    import json
+
+    from sdxl_trainer.world.scenes import WorldSettings, caption, render, scene_for_seed
+
+    folder = tmp_path_factory.mktemp("world-images")
+    masks = {}
+    for index in range(WORLD_SCENES):
+        scene = scene_for_seed(3 * 10**6 + index, WorldSettings(two_shape_fraction=0.0))
+        image, (mask,) = render(scene, 64)
+        image.save(folder / f"{index:02d}.png")
+        (folder / f"{index:02d}.txt").write_text(caption(scene), encoding="utf-8")
+        masks[f"{index:02d}"] = (scene.shapes[0], mask)
+    config = load_config(ROOT / "configs" / "quickstart.json", [
+        f"data.image_dir={json.dumps(str(folder))}", "data.caption_dropout_prob=0.0",
+        f"data.scan_cache_dir={json.dumps(str(folder.parent / 'scan'))}"])
+    samples = pick_samples(config, WORLD_SCENES)
+    return load_flow_models(config), [(sample, *masks[Path(sample["path"]).stem]) for sample in samples]
+
+
+WORLD_SCENES = 8
+
+
+def test_a_shape_words_attention_falls_on_the_shape(world_flow) -> None:
+    """On the pretrained model, the heat of the shape's word (and of its colour) lies mostly inside
+    the shape; the word "background" looks mostly outside it."""
+    from sdxl_trainer.training_flow import heat_inside
+
+    models, scenes = world_flow
+    shape_heat, colour_heat, background_heat, areas = [], [], [], []
+    for sample, shape, mask in scenes:
+        result = forward_at(models, sample, 500)
+        shape_heat.append(heat_inside(result.heatmaps[result.tokens.index(shape.kind)], mask))
+        colour_heat.append(heat_inside(result.heatmaps[result.tokens.index(shape.colour)], mask))
+        background_heat.append(heat_inside(result.heatmaps[result.tokens.index("background")], mask))
+        areas.append(float(mask.mean()))
+    area = np.mean(areas)
+    assert np.mean(shape_heat) >= SHAPE_HEAT_AT_LEAST and np.mean(shape_heat) > 2 * area, (shape_heat, area)
+    assert np.mean(colour_heat) >= SHAPE_HEAT_AT_LEAST, colour_heat
+    assert np.mean(background_heat) <= BACKGROUND_HEAT_AT_MOST, background_heat
+
+
+def test_the_x0_estimate_is_close_to_the_clean_image_and_degrades_with_noise(world_flow) -> None:
+    models, scenes = world_flow
+    psnr = {t: np.mean([forward_at(models, sample, t).x0_psnr() for sample, _, _ in scenes]) for t in (100, 500, 900)}
+    assert psnr[100] >= X0_PSNR_AT_LEAST[100] and psnr[500] >= X0_PSNR_AT_LEAST[500], psnr
+    assert psnr[100] > psnr[500] > psnr[900], psnr

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.helpers import ROOT, run_cli, tiny_config, write_config
 
-PROMPTS = str(ROOT / "data" / "eval_prompts.quickstart.json")
+PROMPTS = str(ROOT / "tests" / "eval_prompts.three.json")
 
 
 def eval_config(tmp_path: Path, live: bool, **sections) -> dict:

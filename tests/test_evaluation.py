@@ -357,8 +357,11 @@ def test_prompts_file_sizes_seeds_and_defaults(tmp_path: Path) -> None:
     shipped = load_prompts(ROOT / "data" / "eval_prompts.example.json", 1024, 1024)
     assert [(p.seed, p.width, p.height) for p in shipped] == [(1, 1024, 1024), (2, 1216, 832), (3, 832, 1216),
                                                              (4, 1024, 1024)]
+    three = load_prompts(ROOT / "tests" / "eval_prompts.three.json", 64, 64)
+    assert [(p.seed, p.width, p.height, p.group) for p in three] == [(1, 64, 64, ""), (2, 96, 64, ""), (3, 64, 96, "")]
     quickstart = load_prompts(ROOT / "data" / "eval_prompts.quickstart.json", 64, 64)
-    assert [(p.seed, p.width, p.height) for p in quickstart] == [(1, 64, 64), (2, 96, 64), (3, 64, 96)]
+    assert [p.group for p in quickstart] == ["concept"] * 16 + ["prior"] * 32
+    assert {(p.width, p.height) for p in quickstart} == {(64, 64)}
 
 
 @pytest.mark.parametrize(("entries", "message"), [
@@ -373,6 +376,7 @@ def test_prompts_file_sizes_seeds_and_defaults(tmp_path: Path) -> None:
     ([{"prompt": "a", "seed": "5"}], '"seed" must be an integer'),
     ([{"prompt": "a", "seed": True}], '"seed" must be an integer'),
     ([{"prompt": "a", "negative_prompt": None}], '"negative_prompt" must be a string'),
+    ([{"prompt": "a", "group": 2}], 'entry 0: "group" must be a string'),
     ([{"prompt": "a"}, {"prompt": "b"}, {"prompt": "c"}, {"prompt": "d", "resolution": "1024*640"}],
      'entry 3: "resolution" must look like "1024x640" (width x height), not "1024*640"'),
     ([{"prompt": "a", "size": 1024}], '"size" must look like "1024x640"'),

@@ -41,7 +41,7 @@ def full_config(tmp_path: Path, per_process_batch: int, **training) -> dict:
 def fsdp_run(tmp_path_factory: pytest.TempPathFactory, tiny_sdxl_dir: Path) -> Path:
     tmp_path = tmp_path_factory.mktemp("fsdp")
     config = full_config(tmp_path, per_process_batch=1)
-    config["eval"] = {"num_inference_steps": 2, "prompts_path": str(ROOT / "data" / "eval_prompts.quickstart.json"),
+    config["eval"] = {"num_inference_steps": 2, "prompts_path": str(ROOT / "tests" / "eval_prompts.three.json"),
                       "width": 64, "height": 64, "live": {"enabled": True, "every_n_steps": 2, "max_batches": 1},
                       "final": {"enabled": True, "max_batches": 2}}
     config["export"]["save_single_file"] = True

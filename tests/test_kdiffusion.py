@@ -152,7 +152,8 @@ def test_a_quickstart_run_evaluates_with_the_comfyui_sampler(tiny_sdxl_dir: Path
     4500 instead of infinity) renders too, which the old diffusers k-diffusion pipeline could not."""
     overrides = {"training.num_steps": 2, "run.output_root": str(tmp_path), "export.save_single_file": False,
                  "training.tensorboard.enabled": False, "data.latent_cache.cache_dir": str(tmp_path / "latents"),
-                 "data.text_cache.cache_dir": str(tmp_path / "text"),
+                 "data.text_cache.cache_dir": str(tmp_path / "text"), "eval.live.enabled": False,
+                 "eval.prompts_path": str(ROOT / "tests" / "eval_prompts.three.json"),
                  "eval.backend": "kdiffusion", "eval.sampler_name": "dpmpp_2m_sde_heun", "eval.scheduler": "beta",
                  "training.prediction_type": prediction, "training.zero_terminal_snr": prediction == "v_prediction"}
     argv = ["--config", str(ROOT / "configs" / "quickstart.json")]

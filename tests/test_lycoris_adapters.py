@@ -187,7 +187,7 @@ def test_lokr_with_ema_and_live_eval_keeps_two_processes_identical(tmp_path: Pat
 
     config = lycoris_config(tmp_path, "lokr", num_steps=4, log_every=1, ema_update_every=1)
     config["model"] |= {"use_ema": True, "ema_decay": 0.5}
-    prompts = Path(__file__).parents[1] / "data" / "eval_prompts.quickstart.json"
+    prompts = Path(__file__).parent / "eval_prompts.three.json"
     config["eval"] = {"num_inference_steps": 2, "prompts_path": str(prompts), "width": 64, "height": 64,
                       "live": {"enabled": True, "every_n_steps": 2, "max_batches": 1}}
     config["export"] = {"save_single_file": False, "adapter_formats": ["diffusers"]}

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from tests.helpers import ROOT, accelerate_launch, free_port, run_cli, tiny_config, write_config
 
-PROMPTS = str(ROOT / "data" / "eval_prompts.quickstart.json")
+PROMPTS = str(ROOT / "tests" / "eval_prompts.three.json")
 
 
 LAUNCH_TWO = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",

@@ -162,7 +162,7 @@ def test_two_processes_stay_identical(kind: str, tmp_path: Path, tiny_sdxl_dir: 
     size comes from the all-reduced gradients, so it is the same on every rank."""
     config = optimizer_config(tmp_path, kind, num_steps=4, log_every=1)
     if kind == "adamw_schedulefree":
-        prompts = Path(__file__).parents[1] / "data" / "eval_prompts.quickstart.json"
+        prompts = Path(__file__).parent / "eval_prompts.three.json"
         config["eval"] = {"num_inference_steps": 2, "prompts_path": str(prompts), "width": 64, "height": 64,
                           "live": {"enabled": True, "every_n_steps": 2, "max_batches": 1}}
     result = accelerate_launch(LAUNCH_TWO, write_config(tmp_path / "c.json", config))

@@ -196,3 +196,34 @@ def test_resume_refuses_another_rank_and_warns_about_another_length(tmp_path: Pa
     first = load_file(tmp_path / "out" / "longer" / "pytorch_lora_weights.safetensors")
     second = load_file(tmp_path / "out" / "again" / "pytorch_lora_weights.safetensors")
     assert all(torch.equal(first[key], second[key]) for key in first)
+
+
+def test_a_changed_learning_rate_and_weight_decay_apply_on_resume(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
+    """Users lower the rate mid-run to tame a divergence: the config's values win over the
+    checkpoint's, the start says so, and the weights differ from a resume without the change."""
+    schedule = {"type": "linear_decay", "min_factor": 0.5}
+
+    def run(name: str, weight_decay: float = 0.01, **training) -> subprocess.CompletedProcess:
+        config = tiny_config(tmp_path / name, adapter={"type": "lora"}, model={"train_text_encoder_1": False},
+                             optimizer={"type": "adamw", "weight_decay": weight_decay},
+                             training={"num_steps": 4, "checkpoint_every": 2, "lr_scheduler": schedule, **training})
+        result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / f"{name}.json", config)))
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result
+
+    run("straight")
+    checkpoint = str(tmp_path / "straight" / "out" / "test_run" / "checkpoints" / "checkpoint-2")
+    unchanged = run("unchanged", resume_from=checkpoint)
+    assert "resume: the config changes" not in unchanged.stdout
+    lowered = run("lowered", weight_decay=0.1, resume_from=checkpoint, lr_unet=2e-4)
+    assert "resume: the config changes unet learning rate: 0.001 → 0.0002" in lowered.stdout
+    assert "resume: the config changes unet weight_decay: 0.01 → 0.1" in lowered.stdout
+    state = load_state(tmp_path / "lowered" / "out" / "test_run" / "trainer_state.pt")
+    (group,) = state["optimizer"]["param_groups"]
+    # After step 4 of 4 the linear decay is at its floor: the factor 0.5 times the new base rate.
+    assert group["initial_lr"] == 2e-4 and group["lr"] == pytest.approx(1e-4) and group["weight_decay"] == 0.1
+    assert state["lr_scheduler"]["base_lrs"] == [2e-4]
+    straight = final_weights(tmp_path / "straight" / "out" / "test_run")
+    same, low = (final_weights(tmp_path / name / "out" / "test_run") for name in ("unchanged", "lowered"))
+    assert all(torch.equal(same[key], straight[key]) for key in same)
+    assert [key for key in same if not torch.equal(same[key], low[key])]

@@ -1,0 +1,146 @@
+"""The learning benchmark: how fast each method teaches the pretrained tiny SDXL a new concept, and
+what it costs the prior.
+
+    python bench/bench_learning.py            # about 15 minutes on 2 CPU cores
+    python bench/bench_learning.py --smoke    # seconds: checks the code path only
+
+Every run is the quickstart (`configs/quickstart.json`: 18 images of a *cross*, a shape and a word
+the model has never seen) with one thing changed, at the same number of steps and batch size. The
+shapes judge reads the eval images: concept accuracy over the 16 "concept" prompts (before the
+first step, then every `EVAL_EVERY` steps) and, at the end, prior accuracy over the 32 "prior"
+prompts (scenes of the shapes the model knew). Learning rates are each method's usual choice for
+this model (say, what a user would set), not tuned per method to win.
+
+Writes bench/results/learning.{json,md}, docs/images/learning_grid.png (rows: the model before
+training, then each method at the end; columns: the first concept prompts) and
+docs/images/quickstart.png (the quickstart's concept prompts before, a third of the way, at the end).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import ROOT, bench_args, quiet_env, write_results
+from sdxl_trainer.world.scenes import WorldSettings, caption, render, scene_for_seed
+
+EVAL_EVERY = 25
+DOCS_IMAGES = ROOT / "docs" / "images"
+GRID_COLUMNS = 8
+REG_SEEDS = range(2 * 10**6, 2 * 10**6 + 18)  # known shapes, never in pretraining or eval
+
+# name → config overrides (JSON values), applied on top of the quickstart.
+RUNS: dict[str, dict[str, Any]] = {
+    "DoRA rank 4 (quickstart)": {},
+    "LoRA rank 4": {"adapter.type": "lora"},
+    "LoKr": {"adapter.type": "lokr", "adapter.rank": 4},
+    "LoHa rank 4": {"adapter.type": "loha"},
+    "full fine-tune": {"adapter.type": "none", "training.lr_unet": 1e-4, "training.lr_text_encoder_1": 5e-5,
+                       "export.save_single_file": False},
+    "DoRA + prior preservation": {"training.prior_loss_weight": 1.0},  # the reg subset is added in main()
+    "DoRA, Prodigy": {"optimizer.type": "prodigy", "training.lr_unet": 1.0, "training.lr_text_encoder_1": 1.0},
+    "DoRA rank 16": {"adapter.rank": 16, "adapter.alpha": 16},
+    "LoRA rank 16": {"adapter.type": "lora", "adapter.rank": 16, "adapter.alpha": 16},
+}
+
+
+def write_reg_images(folder: Path) -> None:
+    """Regularization images: ground-truth world scenes of the shapes the model already knows."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for seed in REG_SEEDS:
+        scene = scene_for_seed(seed, WorldSettings(two_shape_fraction=0.0))
+        render(scene, 64)[0].save(folder / f"reg_{seed}.png")
+        (folder / f"reg_{seed}.txt").write_text(caption(scene) + "\n", encoding="utf-8")
+
+
+def train(name: str, overrides: dict[str, Any], work: Path, steps: int) -> dict[str, Any]:
+    """One quickstart run with `overrides`; the eval entries of its run summary."""
+    settings = {"run.output_root": str(work / "runs"), "run.name": "run" + "".join(c for c in name if c.isalnum()),
+                "training.num_steps": steps, "training.checkpoint_every": 10**6,
+                "training.tensorboard.enabled": False, "eval.live.every_n_steps": EVAL_EVERY,
+                "eval.live.at_start": True, "data.latent_cache.cache_dir": str(work / "latents"),
+                "data.text_cache.cache_dir": str(work / "text"), "data.scan_cache_dir": str(work / "scan"),
+                "export.save_single_file": False, **overrides}
+    command = [sys.executable, str(ROOT / "train_sdxl.py"), "--config", str(ROOT / "configs" / "quickstart.json")]
+    for key, value in settings.items():
+        command += ["--set", f"{key}={json.dumps(value)}"]
+    result = subprocess.run(command, cwd=ROOT, env=quiet_env(), capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{name}: train_sdxl.py failed:\n{result.stderr[-3000:]}")
+    output = work / "runs" / settings["run.name"]
+    return {"evals": json.loads((output / "run_summary.json").read_text())["eval"], "output": output}
+
+
+def row_of(name: str, evals: list[dict[str, Any]]) -> dict[str, Any]:
+    live = [entry for entry in evals if entry["tag"] == "live"]
+    final = next(entry for entry in evals if entry["tag"] == "final")
+    row: dict[str, Any] = {"method": name}
+    for entry in live:
+        row[f"concept@{entry['step']}"] = entry["accuracy"]["concept"]
+    row["concept_final"] = final["accuracy"]["concept"]
+    row["prior_final"] = final["accuracy"]["prior"]
+    return row
+
+
+def grid(rows: list[tuple[str, list[Path]]], out: Path) -> None:
+    """One row of images per method (a label is in the README's table, not in the picture)."""
+    pictures = [[np.asarray(Image.open(path).convert("RGB").resize((64, 64))) for path in paths[:GRID_COLUMNS]]
+                for _, paths in rows]
+    gap = 2
+    height = len(pictures) * (64 + gap) - gap
+    canvas = np.full((height, GRID_COLUMNS * (64 + gap) - gap, 3), 255, dtype=np.uint8)
+    for r, row in enumerate(pictures):
+        for c, picture in enumerate(row):
+            canvas[r * (64 + gap):r * (64 + gap) + 64, c * (64 + gap):c * (64 + gap) + 64] = picture
+    out.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(canvas).resize((canvas.shape[1] * 2, canvas.shape[0] * 2), Image.NEAREST).save(out)
+
+
+def eval_images(folder: Path) -> list[Path]:
+    return sorted(path for path in folder.glob("*.png") if path.name[:3].isdigit())
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = bench_args(__doc__.splitlines()[0], argv)
+    runs = dict(list(RUNS.items())[:2]) if args.smoke else RUNS
+    steps = 4 if args.smoke else 150
+    rows, pictures = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        write_reg_images(work / "reg")
+        for name, overrides in runs.items():
+            if name.startswith("DoRA + prior"):
+                overrides = {**overrides, "data.subsets": [{"image_dir": str(ROOT / "data" / "images")},
+                                                           {"image_dir": str(work / "reg"), "is_reg": True}]}
+            if args.smoke:
+                overrides = {**overrides, "eval.num_inference_steps": 2, "eval.live.every_n_steps": 2}
+            result = train(name, overrides, work, steps)
+            rows.append(row_of(name, result["evals"]))
+            if not pictures:
+                live = result["output"] / "eval" / "live"
+                pictures.append(("before", eval_images(live / "step_0")))
+                every = 2 if args.smoke else EVAL_EVERY
+                quickstart = [(f"step {step}", eval_images(live / f"step_{step}"))
+                              for step in (0, steps // 3 // every * every)]
+                grid([*quickstart, ("end", eval_images(result["output"] / "eval" / "final"))],
+                     args.results_dir / "quickstart_grid.png" if args.smoke else DOCS_IMAGES / "quickstart.png")
+            pictures.append((name, eval_images(result["output"] / "eval" / "final")))
+            print(f"{name}: {rows[-1]}", flush=True)
+        grid(pictures, args.results_dir / "learning_grid.png" if args.smoke else DOCS_IMAGES / "learning_grid.png")
+    notes = (f"{steps} steps, batch 2, the quickstart's data and eval settings; concept accuracy over 16 prompts, "
+             "prior accuracy over 32 (the shapes judge). Rows of docs/images/learning_grid.png: before, then "
+             + ", ".join(runs) + ".")
+    write_results("learning", rows, notes, args.results_dir)
+
+
+if __name__ == "__main__":
+    main()

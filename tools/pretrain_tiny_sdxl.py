@@ -1,0 +1,174 @@
+"""Rebuild the pretrained built-in tiny SDXL from nothing: the weights file the package ships.
+
+    python tools/pretrain_tiny_sdxl.py            # all stages, into .cache/pretrain (about an hour on 2 cores)
+    python tools/pretrain_tiny_sdxl.py --stage vae
+
+Stages, each resumable by running the command again (a stage whose output exists is skipped):
+1. vae:   the tiny VAE, from random weights, reconstructs 32² crops of world images (MSE plus a
+          tiny KL term); its scaling factor is then set so that scaled latents have unit variance.
+2. data:  PRETRAIN_IMAGES world images at 64², 96×64 and 64×96 with their captions (shapes the pretrained model
+          knows: circle, square, triangle), written as an image folder the trainer reads.
+3. unet:  `train_sdxl.py --config configs/pretrain_tiny_sdxl.json`: a full fine-tune of the UNet
+          and both text encoders from random weights, by this trainer, on that folder.
+4. ship:  the trained pipeline as one fp16 safetensors file (sdxl_trainer/weights/), whose sha256
+          goes into sdxl_trainer/tiny_model.py.
+
+Deterministic on one machine: the same command with the same number of threads writes the same
+file (fixed seeds, a single-process data loader, torch's deterministic CPU kernels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sdxl_trainer.tiny_model import build_tiny_sdxl_pipeline, shipped_weights_path  # noqa: E402
+from sdxl_trainer.world.scenes import WorldSettings, caption, render, scene_for_seed  # noqa: E402
+
+WORK = ROOT / ".cache" / "pretrain"
+VAE_STEPS, VAE_BATCH, VAE_CROP, VAE_LR, VAE_KL = 2000, 8, 64, 1e-3, 1e-6
+PRETRAIN_IMAGES, IMAGE_SIZE = 6000, 64
+# Two thirds square, the rest in the quickstart's two other buckets.
+DATA_SIZES = ((64, 64), (64, 64), (64, 64), (64, 64), (96, 64), (64, 96))
+TRAIN_SEEDS = range(0, PRETRAIN_IMAGES)  # held-out world images use seeds from 10**6 on
+HELD_OUT_SEEDS = range(10**6, 10**6 + 256)
+
+
+def world_batch(rng: random.Random, count: int, crop: int) -> torch.Tensor:
+    """`count` random crops of world images, as a [-1, 1] tensor."""
+    crops = []
+    for _ in range(count):
+        image, _ = render(scene_for_seed(rng.randrange(10**9)), IMAGE_SIZE)
+        pixels = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
+        top, left = rng.randrange(IMAGE_SIZE - crop + 1), rng.randrange(IMAGE_SIZE - crop + 1)
+        crops.append(pixels[top:top + crop, left:left + crop])
+    return torch.from_numpy(np.stack(crops)).permute(0, 3, 1, 2).contiguous()
+
+
+def held_out_images(seeds: range, settings: WorldSettings | None = None) -> torch.Tensor:
+    """World images of `seeds` at IMAGE_SIZE, as a [-1, 1] tensor."""
+    settings = settings or WorldSettings()
+    images = [np.asarray(render(scene_for_seed(seed, settings), IMAGE_SIZE)[0], dtype=np.float32) for seed in seeds]
+    return torch.from_numpy(np.stack(images) / 127.5 - 1.0).permute(0, 3, 1, 2).contiguous()
+
+
+def psnr(vae, images: torch.Tensor) -> float:
+    """Mean PSNR (dB, 8-bit range) of the VAE's reconstruction (posterior mean) of `images`."""
+    with torch.no_grad():
+        decoded = torch.cat([vae.decode(vae.encode(chunk).latent_dist.mean).sample for chunk in images.split(32)])
+    to_8bit = lambda x: ((x.clamp(-1, 1) + 1) * 127.5).round()  # noqa: E731
+    mse = (to_8bit(decoded) - to_8bit(images)).pow(2).mean(dim=(1, 2, 3)).clamp(min=1e-10)
+    return float((10 * torch.log10(255.0**2 / mse)).mean())
+
+
+def train_vae(out: Path) -> None:
+    torch.manual_seed(0)
+    pipe = build_tiny_sdxl_pipeline()
+    vae = pipe.vae.train()
+    with torch.no_grad():  # start with a posterior std of e^-5: random-init noise would drown the signal
+        vae.quant_conv.bias[vae.config.latent_channels:] -= 10.0
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=VAE_LR, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * step / VAE_STEPS)))
+    rng = random.Random(0)
+    held_out = held_out_images(HELD_OUT_SEEDS[:64])
+    start = time.time()
+    for step in range(VAE_STEPS):
+        batch = world_batch(rng, VAE_BATCH, VAE_CROP)
+        posterior = vae.encode(batch).latent_dist
+        decoded = vae.decode(posterior.sample(generator=torch.Generator().manual_seed(step))).sample
+        loss = torch.nn.functional.mse_loss(decoded, batch) + VAE_KL * posterior.kl().mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        if step % 100 == 0 or step == VAE_STEPS - 1:
+            vae.eval()
+            print(f"vae step {step}: loss {loss.item():.5f}, held-out PSNR {psnr(vae, held_out):.2f} dB, "
+                  f"{time.time() - start:.0f} s", flush=True)
+            vae.train()
+    vae.eval()
+    with torch.no_grad():
+        images = held_out_images(TRAIN_SEEDS[:256])
+        latents = torch.cat([vae.encode(chunk).latent_dist.mean for chunk in images.split(32)])
+    vae.register_to_config(scaling_factor=float(1.0 / latents.std()))
+    print(f"vae: scaling factor {vae.config.scaling_factor:.5f}", flush=True)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    pipe.save_pretrained(tmp, safe_serialization=True)
+    tmp.rename(out)
+
+
+def write_data(folder: Path) -> None:
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for seed in TRAIN_SEEDS:
+        scene = scene_for_seed(seed)
+        render(scene, *DATA_SIZES[seed % len(DATA_SIZES)])[0].save(tmp / f"world_{seed:05d}.png")
+        (tmp / f"world_{seed:05d}.txt").write_text(caption(scene) + "\n", encoding="utf-8")
+    tmp.rename(folder)
+
+
+def train_unet(base: Path, data: Path, out: Path) -> None:
+    config = ROOT / "configs" / "pretrain_tiny_sdxl.json"
+    command = [sys.executable, str(ROOT / "train_sdxl.py"), "--config", str(config),
+               "--set", f'model.id="{base}"', "--set", f'data.image_dir="{data}"',
+               "--set", f'run.output_root="{out.parent}"', "--set", f'run.name="{out.name}"']
+    subprocess.run(command, check=True, cwd=ROOT)
+
+
+def ship(trained: Path) -> None:
+    from diffusers import StableDiffusionXLPipeline
+    from safetensors.torch import save_file
+
+    pipe = StableDiffusionXLPipeline.from_pretrained(trained)
+    tensors = {}
+    for name in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        for key, value in getattr(pipe, name).state_dict().items():
+            tensors[f"{name}.{key}"] = value.to(torch.float16).contiguous()
+    metadata = {"vae_scaling_factor": repr(pipe.vae.config.scaling_factor)}
+    target = shipped_weights_path()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    save_file(tensors, tmp, metadata=metadata)
+    tmp.replace(target)
+    digest = hashlib.sha256(target.read_bytes()).hexdigest()
+    print(f"shipped {target} ({target.stat().st_size / 1e6:.1f} MB), sha256 {digest}")
+    print("put this sha256 into sdxl_trainer/tiny_model.py (TINY_SDXL_SHA256)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--stage", choices=["vae", "data", "unet", "ship", "all"], default="all")
+    parser.add_argument("--work", type=Path, default=WORK, help=f"where stages write (default {WORK})")
+    args = parser.parse_args()
+    torch.use_deterministic_algorithms(True)
+    vae_dir, data_dir, trained = args.work / "stage1-vae", args.work / "world-64", args.work / "runs" / "tiny-sdxl"
+    stages = ["vae", "data", "unet", "ship"] if args.stage == "all" else [args.stage]
+    if "vae" in stages and not vae_dir.is_dir():
+        train_vae(vae_dir)
+    if "data" in stages and not data_dir.is_dir():
+        write_data(data_dir)
+    if "unet" in stages and not (trained / "model_index.json").is_file():
+        train_unet(vae_dir, data_dir, trained)
+    if "ship" in stages:
+        ship(trained)
+
+
+if __name__ == "__main__":
+    main()
