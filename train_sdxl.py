@@ -4,7 +4,7 @@
     python train_sdxl.py --config configs/quickstart.json --set training.num_steps=20
 
 The run goes: validate the config → plan the data → load SDXL → attach adapters (DoRA/LoRA) or
-unfreeze weights (full fine-tune) → train → save outputs (see README "Outputs"). `train()` below
+unfreeze weights (full fine-tune) → train → save outputs (see docs/exports.md, "Outputs"). `train()` below
 is the whole training loop; the pieces it calls are in `sdxl_trainer/run.py`.
 """
 

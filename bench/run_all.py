@@ -1,6 +1,6 @@
 """Run every CPU benchmark and write bench/results/<name>.json and <name>.md for each.
 
-    python bench/run_all.py            # the README's Performance tables (about 25 minutes on 2 cores)
+    python bench/run_all.py            # the tables of docs/performance.md (about 25 minutes on 2 cores)
     python bench/run_all.py --smoke    # seconds per benchmark: only checks that each still runs
 
 Each benchmark runs in its own interpreter, so that one's threads, memory and imports cannot

@@ -1,8 +1,9 @@
 """The config schema: the single source of truth for every option of a run.
 
-Validation, defaults, `config.schema.json` and the README's option table all come from the
-pydantic models below (see `schema_docs.py`). Key names follow the original tool's README so
-existing configs load unchanged (docs/design.md, 'Config compatibility with the original tool').
+Validation, defaults, `config.schema.json` and the option tables of docs/configuration.md all
+come from the pydantic models below (see `schema_docs.py`). Key names follow the original tool's
+README so existing configs load unchanged (docs/design.md, 'Config compatibility with the original
+tool').
 """
 
 from __future__ import annotations
@@ -656,7 +657,7 @@ class _KeyError(ValueError):
 
 # Options that the schema accepts and validates but whose behaviour is not built yet. A run that
 # asks for one of them stops before loading anything, rather than silently ignoring it.
-# dotted key -> (does this value need the unbuilt code?, what the README says about it)
+# dotted key -> (does this value need the unbuilt code?, what the option reference says about it)
 UNBUILT: dict[str, tuple[Any, str]] = {
 }
 

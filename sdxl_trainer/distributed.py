@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     from .training_setup import Trainable
 
-FSDP_HELP = "see README 'Several GPUs and nodes'"
+FSDP_HELP = "see docs/multi-gpu.md, 'Full fine-tuning sharded with FSDP'"
 
 
 def check_launch(config: Config, environ: Mapping[str, str]) -> None:

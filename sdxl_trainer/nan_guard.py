@@ -65,5 +65,5 @@ def non_finite_report(step: int, loss: torch.Tensor, paths: list[str], timesteps
         f"  non-finite weights: {listing(bad_values)}",
         f"  non-finite gradients: {listing(bad_grads)}",
         "  likely causes: fp16 with DoRA, a learning rate far too high, a broken image or latent; "
-        "see README 'Black images and NaN'",
+        "see docs/troubleshooting.md, 'Black images and NaN'",
     ])

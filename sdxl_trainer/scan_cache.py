@@ -40,7 +40,8 @@ Verdict = tuple[int, int, str] | str  # images.inspect_image's answer
 def inspect_images(paths: list[Path], max_pixels: int, cache_dir: Path | None, workers: int) -> list[Verdict]:
     """`images.inspect_image` of every path, in order: from the cache where the file is unchanged,
     else inspected by `workers` threads behind a progress bar. Threads, not processes: PIL's decoders
-    and hashlib release the GIL, and a thread starts at once (processes were no faster, README)."""
+    and hashlib release the GIL, and a thread starts at once (processes were no faster:
+    docs/performance.md, 'Pre-flight start-up')."""
     with gc_paused():
         keys = [os.path.abspath(path) for path in paths]
         cache_file = cache_path(keys, cache_dir)

@@ -1,7 +1,7 @@
-"""Full fine-tuning sharded with FSDP2 over two CPU processes, launched with the README's example
-accelerate config (`configs/accelerate_fsdp.yaml`) through `tests/fsdp_on_cpu.py`: the whole
-weights are gathered for saving and eval, the result equals one process with the same global
-batch, and resume is exact (also from a one-process checkpoint)."""
+"""Full fine-tuning sharded with FSDP2 over two CPU processes, launched with the example
+accelerate config of docs/multi-gpu.md (`configs/accelerate_fsdp.yaml`) through
+`tests/fsdp_on_cpu.py`: the whole weights are gathered for saving and eval, the result equals one
+process with the same global batch, and resume is exact (also from a one-process checkpoint)."""
 
 from __future__ import annotations
 
