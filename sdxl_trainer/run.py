@@ -294,7 +294,9 @@ def setup_models(config: Config, plan: RunPlan, precision: PrecisionPlan, accele
         for name, module in trainable.modules.items():
             load_adapter_weights(module, name, tensors)
     cast_trained_parameters(trainable.modules, precision)
-    audit(pipe, precision, adapter=trainable.is_adapter)
+    audited = audit(pipe, precision, adapter=trainable.is_adapter)
+    accelerator.print(f"precision audit: {audited['checked']} tensors as planned, "
+                      f"{audited['trained']} of them trained")
     return noise_scheduler, cache, trainable
 
 
