@@ -141,10 +141,13 @@ def test_the_merged_single_file_is_the_base_plus_pefts_deltas(trained: SimpleNam
     assert compared == len(list(peft_layers(trained)))
 
 
-def test_a_lokr_run_resumes_bit_exactly(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
-    straight = lycoris_config(tmp_path / "straight", "lokr", num_steps=6, checkpoint_every=3)
+@pytest.mark.parametrize(("kind", "precision"), [("lokr", "no"), ("lokr", "bf16"), ("loha", "fp16")])
+def test_a_lycoris_run_resumes_bit_exactly(tmp_path: Path, tiny_sdxl_dir: Path, kind: str, precision: str) -> None:
+    """Also under mixed precision, where the resumed fp32 adapter must pass the precision audit
+    (LoKr/LoHa tensors were once audited as frozen bf16/fp16 weights) and the grad scaler resumes."""
+    straight = lycoris_config(tmp_path / "straight", kind, num_steps=6, checkpoint_every=3, mixed_precision=precision)
     assert train_sdxl.main(["--config", str(write_config(tmp_path / "s.json", straight))]) == 0
-    first = lycoris_config(tmp_path / "split", "lokr", num_steps=3, checkpoint_every=3)
+    first = lycoris_config(tmp_path / "split", kind, num_steps=3, checkpoint_every=3, mixed_precision=precision)
     path = write_config(tmp_path / "p.json", first)
     assert train_sdxl.main(["--config", str(path)]) == 0
     output = tmp_path / "split" / "out" / "test_run"
