@@ -5,6 +5,7 @@ names them, merged exactly into the single file, resumed bit-exactly, and read b
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -201,3 +202,110 @@ def test_lokr_with_ema_and_live_eval_keeps_two_processes_identical(tmp_path: Pat
     output = tmp_path / "out" / "test_run"
     assert sorted(p.name for p in (output / "eval" / "live" / "step_2").iterdir())[-1] == "grid.png"
     assert not list(output.rglob("*_INVALID.png"))
+
+
+# ------------------------------------------------------------- LyCORIS's LoKr loader, full size
+LOKR_PARTS = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")
+
+
+def full_size_shapes() -> list[tuple[int, ...]]:
+    """The weight shapes of every module full-size SDXL gets a LoKr on (targets `all`, both text
+    encoders), built on the meta device."""
+    from bench.sdxl_arch import sdxl_modules
+    from sdxl_trainer.adapters import text_encoder_target_modules, unet_target_modules
+
+    shapes = set()
+    for component, module in sdxl_modules("meta").items():
+        if component != "vae":
+            names = (unet_target_modules(module, "all") if component == "unet"
+                     else text_encoder_target_modules(module, "all"))
+            shapes |= {tuple(module.get_submodule(name).weight.shape) for name in names}
+    return sorted(shapes)
+
+
+def lycoris_loads(layer) -> bool:
+    """Whether LyCORIS's loader (get_module + make_module, as its kohya loader calls them) rebuilds
+    this peft LoKr layer's kohya tensors into factors of the same shapes."""
+    from lycoris.modules import get_module, make_module
+
+    from sdxl_trainer.kohya_format import _lokr_tensors
+
+    state = {key: torch.zeros(tensor.shape) for key, tensor in _lokr_tensors("m", layer).items()}
+    try:
+        kind, params = get_module(state, "m")
+        rebuilt = make_module(kind, params, "m", layer.get_base_layer())
+    except (RuntimeError, AttributeError):  # a copy into a factor of another shape, or a missing factor
+        return False
+    held = {part: tuple(getattr(rebuilt, part).shape) for part in LOKR_PARTS
+            if isinstance(getattr(rebuilt, part, None), torch.nn.Parameter)}
+    return held == {part: tuple(state[f"m.{part}"].shape) for part in LOKR_PARTS if f"m.{part}" in state}
+
+
+def test_the_lokr_load_check_predicts_lycoris_on_every_full_size_sdxl_layer() -> None:
+    """peft's LoKr factors of each full-size SDXL layer shape go through LyCORIS's own loader; the
+    shape-only check (lycoris_compat) predicts peft's factors and LyCORIS's verdict exactly. At
+    the default factor -1 one shape fails, up_blocks.1.resnets.0.conv1's 640 x 1920 x 3 x 3, below
+    rank 48; factors 4, 8 and 16 load everywhere; 32 (above the square root of 320, 640 and 768)
+    fails widely."""
+    pytest.importorskip("lycoris")
+    from peft import inject_adapter_in_model
+
+    from sdxl_trainer.adapters import peft_config
+    from sdxl_trainer.config import AdapterConfig
+    from sdxl_trainer.lycoris_compat import lycoris_rebuilt_parts, peft_lokr_parts
+
+    shapes = full_size_shapes()
+    assert len(shapes) == 35 and (640, 1920, 3, 3) in shapes
+    failing = {}
+    for factor, rank, both in itertools.product((-1, 4, 8, 16, 32), (4, 16, 64), (False, True)):
+        adapter = AdapterConfig(type="lokr", rank=rank, alpha=rank, lokr_factor=factor, lokr_decompose_both=both)
+        holder = torch.nn.ModuleDict({f"m{i}": torch.nn.Linear(shape[1], shape[0], device="meta") if len(shape) == 2
+                                      else torch.nn.Conv2d(shape[1], shape[0], shape[2:], device="meta")
+                                      for i, shape in enumerate(shapes)})
+        inject_adapter_in_model(peft_config(adapter, holder, list(holder)), holder)
+        failing[factor, rank, both] = set()
+        for shape, layer in zip(shapes, holder.values(), strict=True):
+            trained = {part: tuple(getattr(layer, part)["default"].shape) for part in LOKR_PARTS
+                       if "default" in getattr(layer, part)}
+            assert peft_lokr_parts(shape, rank, factor, both) == trained, (factor, rank, both, shape)
+            with torch.no_grad():
+                loads = lycoris_loads(layer)
+            assert (lycoris_rebuilt_parts(shape, trained) == trained) == loads, (factor, rank, both, shape)
+            if not loads:
+                failing[factor, rank, both].add(shape)
+    assert failing[-1, 16, False] == failing[-1, 4, True] == {(640, 1920, 3, 3)}
+    assert not failing[-1, 64, False]  # rank >= 48: the large factor is stored whole, and recognised
+    assert not any(failing[factor, rank, both] for factor, rank, both in failing if factor in (4, 8, 16))
+    assert len(failing[32, 16, False]) > 20
+
+
+def test_the_preflight_warns_where_lycoris_cannot_load_the_lokr_file(tmp_path: Path, tiny_sdxl_dir: Path,
+                                                                      capsys) -> None:
+    from bench.sdxl_arch import sdxl_modules
+    from sdxl_trainer.lycoris_compat import lokr_load_warning
+
+    full_size = tmp_path / "sdxl"  # full-size SDXL's component configs: all the check reads
+    for name, module in sdxl_modules("meta").items():
+        if name != "vae":
+            (module.save_config if name == "unet" else module.config.save_pretrained)(full_size / name)
+
+    def warning(model_id: str, **adapter) -> str | None:
+        config = tiny_config(tmp_path, adapter={"type": "lokr", **adapter}, model={"id": model_id},
+                             export={"adapter_formats": ["diffusers", "kohya"]})
+        return lokr_load_warning(validate_config(config))
+
+    said = warning(str(full_size), targets="all")
+    assert said is not None and said.startswith(
+        "LyCORIS 4.1.3 cannot load 1 of the 860 LoKr modules at adapter.lokr_factor -1 "
+        "(unet.up_blocks.1.resnets.0.conv1 640x1920x3x3;")
+    assert said.endswith("adapter.lokr_factor 8 avoids it")
+    assert warning(str(full_size), targets="all", lokr_factor=8) is None
+    assert warning(str(full_size)) is None  # attn-mlp: no convolution adapted
+    # the tiny model: its 64-wide layers at factor 8 and above come out transposed
+    config = lycoris_config(tmp_path, "lokr")
+    assert train_sdxl.main(["--config", str(write_config(tmp_path / "c.json", config)), "--dry-run"]) == 0
+    assert "LyCORIS" not in capsys.readouterr().out
+    assert train_sdxl.main(["--config", str(tmp_path / "c.json"), "--dry-run",
+                            "--set", "adapter.lokr_factor=16"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if "LyCORIS" in line)
+    assert line.startswith("  warning: LyCORIS 4.1.3 cannot load ") and line.endswith("adapter.lokr_factor 4 avoids it")
