@@ -66,10 +66,10 @@ def peft_layers(trained: SimpleNamespace):
 def test_lycoris_applies_our_file_as_peft_merged_weights(trained: SimpleNamespace) -> None:
     """Each module of our file, loaded by LyCORIS's own LokrModule/LohaModule and run forward,
     gives the output of the layer with peft's merged weight. (The forward, not LyCORIS 4.1.3's
-    `get_merged_weight`, which multiplies LoKr's scale in twice; its forward and ComfyUI apply it
-    once.)"""
+    `get_merged_weight`, behind `merge_to`, which multiplies the scale in twice for LoKr and LoHa
+    alike, as checked here; its forward and ComfyUI apply it once.)"""
     lokr, loha = pytest.importorskip("lycoris.modules.lokr"), pytest.importorskip("lycoris.modules.loha")
-    checked, changed, full_kron = set(), 0, 0
+    checked, changed, full_kron, scaled_twice = set(), 0, 0, 0
     inputs = torch.Generator().manual_seed(0)
     for name, layer in peft_layers(trained):
         base = layer.get_base_layer()
@@ -95,10 +95,15 @@ def test_lycoris_applies_our_file_as_peft_merged_weights(trained: SimpleNamespac
                 torch.nn.functional.linear(x, expected, base.bias)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda text, name=name: f"{name}: {text}")
         changed += not torch.equal(expected, base.weight.float())
+        with torch.no_grad():  # LyCORIS's merge: base + scale · (peft's delta, already scaled once)
+            merged = judge.get_merged_weight(shape=base.weight.shape)[0]
+        torch.testing.assert_close(merged - base.weight, judge.scale * (expected - base.weight), rtol=1e-5, atol=1e-6)
+        scaled_twice += judge.scale != 1 and not torch.equal(expected, base.weight.float())
         checked.add((name.split("_")[1], type(base)))
     assert {("unet", torch.nn.Linear), ("unet", torch.nn.Conv2d), ("te1", torch.nn.Linear),
             ("te2", torch.nn.Linear)} <= checked
     assert changed > len(list(peft_layers(trained))) // 2  # trained: most updates moved off zero
+    assert scaled_twice > len(list(peft_layers(trained))) // 4  # the double scale is visible (scale 1.5 or 2)
     if trained.kind == "lokr":  # both ways of storing the scale are covered
         assert 0 < full_kron < len(list(peft_layers(trained)))
 
