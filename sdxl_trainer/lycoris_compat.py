@@ -5,16 +5,16 @@ LyCORIS (lycoris-lora 4.1.3, `lycoris/modules/lokr.py`, `LokrModule.make_module_
 its kohya loader `lycoris.kohya.create_network_from_weights` and `create_lycoris_from_weights` go
 through it) does not read the factor from a file: it rebuilds each module by guessing the factor
 from the tensor shapes, builds new Kronecker factors for the guess, and copies the file's tensors
-into them. Two guesses go wrong on SDXL:
+into them. Two things go wrong on SDXL:
 
 - a convolution whose large factor is decomposed stores `lokr_w2_b` as (rank, in·kh·kw); the
   guess multiplies the kernel into the input width (17280 for 1920 × 3 × 3), so "as square as
   possible" (factor -1) is not recognised, and the fallback guess (the larger side of `lokr_w1`)
   splits the output width differently: `up_blocks.1.resnets.0.conv1` (640 × 1920 × 3 × 3) at
-  factor -1 and rank < 48 becomes w1 16 × 40 where the file holds 20 × 40, and the copy fails;
+  factor -1 and rank < 24 becomes w1 16 × 40 where the file holds 20 × 40, and the copy fails;
 - a factor above the square root of a width: peft (which trains the adapter) keeps (factor,
   width/factor) in that order, LyCORIS orders the pair small-first, so the factors come out
-  transposed (factor 32 or 64 on SDXL's 320/640/768-wide layers).
+  transposed (factor 32 or 64 on most SDXL layers).
 
 ComfyUI multiplies the factors as stored and is not affected. `lycoris_mismatches` follows both
 codes step by step; tests/test_lycoris_adapters.py checks it against LyCORIS and peft on every

@@ -147,6 +147,31 @@ def test_the_merged_single_file_is_the_base_plus_pefts_deltas(trained: SimpleNam
     assert compared == len(list(peft_layers(trained)))
 
 
+def test_lycoris_kohya_loader_finds_no_clip_l_module_under_current_transformers(trained: SimpleNamespace) -> None:
+    """LyCORIS's kohya loader (`create_network_from_weights`, as kohya's scripts call it) looks the
+    file's names up in the text encoders' module paths. transformers >= 5.6 (the pinned 5.23) has no
+    `text_model.` level in CLIP-L, so no `lora_te1_text_model_…` module is found, silently; bigG
+    keeps the level and loads completely. Renaming the keys to `lora_te1_…` finds them all."""
+    kohya = pytest.importorskip("lycoris.kohya")
+    pipe = load_pipeline(validate_config(lycoris_config(trained.tmp_path, trained.kind)).model)
+    assert not any(name.startswith("text_model") for name, _ in pipe.text_encoder.named_modules())
+
+    def loaded(weights: dict[str, torch.Tensor]) -> dict[str, int]:
+        with torch.no_grad():  # the UNet goes by kohya's own sgm-named model: left out here
+            encoders = [pipe.text_encoder, pipe.text_encoder_2]
+            network, _ = kohya.create_network_from_weights(1.0, None, pipe.vae, encoders, torch.nn.Module(),
+                                                           weights_sd=dict(weights))
+        names = [module.lora_name for module in network.text_encoder_loras]
+        return {prefix: sum(name.startswith(prefix) for name in names) for prefix in ("lora_te1_", "lora_te2_")}
+
+    in_file = {prefix: len({key.split(".")[0] for key in trained.kohya if key.startswith(prefix)})
+               for prefix in ("lora_te1_", "lora_te2_")}
+    assert in_file["lora_te1_"] > 0 and in_file["lora_te2_"] > 0
+    assert loaded(trained.kohya) == {"lora_te1_": 0, "lora_te2_": in_file["lora_te2_"]}
+    renamed = {key.replace("lora_te1_text_model_", "lora_te1_", 1): value for key, value in trained.kohya.items()}
+    assert loaded(renamed) == in_file
+
+
 @pytest.mark.parametrize(("kind", "precision"), [("lokr", "no"), ("lokr", "bf16"), ("loha", "fp16")])
 def test_a_lycoris_run_resumes_bit_exactly(tmp_path: Path, tiny_sdxl_dir: Path, kind: str, precision: str) -> None:
     """Also under mixed precision, where the resumed fp32 adapter must pass the precision audit
@@ -250,7 +275,7 @@ def test_the_lokr_load_check_predicts_lycoris_on_every_full_size_sdxl_layer() ->
     """peft's LoKr factors of each full-size SDXL layer shape go through LyCORIS's own loader; the
     shape-only check (lycoris_compat) predicts peft's factors and LyCORIS's verdict exactly. At
     the default factor -1 one shape fails, up_blocks.1.resnets.0.conv1's 640 x 1920 x 3 x 3, below
-    rank 48; factors 4, 8 and 16 load everywhere; 32 (above the square root of 320, 640 and 768)
+    rank 24; factors 4, 8 and 16 load everywhere; 32 (above the square root of 320, 640 and 768)
     fails widely."""
     pytest.importorskip("lycoris")
     from peft import inject_adapter_in_model
