@@ -2,7 +2,7 @@
 benchmark, a narrower UNet and shallower text encoders for the converter benchmark.
 
 The full-size configs are those of stabilityai/stable-diffusion-xl-base-1.0 (UNet 2.6 B
-parameters, CLIP-L, OpenCLIP-bigG, the SDXL VAE).
+parameters, CLIP-L, OpenCLIP-bigG: sdxl_trainer/sdxl_base.py; the SDXL VAE here).
 """
 
 from __future__ import annotations
@@ -10,25 +10,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sdxl_trainer.sdxl_base import CLIP_BIGG, CLIP_L, UNET
+
 if TYPE_CHECKING:
     import torch
 
-UNET: dict[str, Any] = dict(
-    sample_size=128, layers_per_block=2, block_out_channels=(320, 640, 1280), attention_head_dim=(5, 10, 20),
-    transformer_layers_per_block=(1, 2, 10), cross_attention_dim=2048, use_linear_projection=True,
-    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-    addition_embed_type="text_time", addition_time_embed_dim=256, projection_class_embeddings_input_dim=2816,
-)
 VAE: dict[str, Any] = dict(
     block_out_channels=(128, 256, 512, 512), down_block_types=("DownEncoderBlock2D",) * 4,
     up_block_types=("UpDecoderBlock2D",) * 4, layers_per_block=2, latent_channels=4, sample_size=1024,
     scaling_factor=0.13025,
 )
-CLIP_L: dict[str, Any] = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-                              hidden_act="quick_gelu", projection_dim=768)
-CLIP_BIGG: dict[str, Any] = dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
-                                 num_attention_heads=20, hidden_act="gelu", projection_dim=1280)
 # The converter benchmark's "large" model: every SDXL key (all blocks, transformer depths 1/2/10),
 # the UNet at a fifth of the width, CLIP-L with 4 layers and bigG with 2. About 1.65 GB in fp32;
 # its largest tensor is bigG's token embedding (49408 × 1280, 253 MB), as in the real SDXL.

@@ -66,6 +66,7 @@ def plan_run(config: Config) -> RunPlan:
     from .checkpointing import check_compatible, check_resume_weights, load_state, resolve_resume, soft_settings
     from .data_plan import EpochSettings, plan_dataset
     from .evaluator import eval_prompts
+    from .lycoris_compat import lokr_load_warning
     from .text_cache import text_cache_status
 
     prompts = eval_prompts(config)
@@ -79,6 +80,9 @@ def plan_run(config: Config) -> RunPlan:
     check_batches(config, data_plan)
     total_steps = count_steps(config, data_plan.batches_per_epoch)
     preflight = describe_plan(config, data_plan, total_steps)
+    lokr_warning = lokr_load_warning(config)
+    if lokr_warning:
+        preflight += f"\n  warning: {lokr_warning}"
     if config.data.latent_cache.enabled:
         preflight += f"\nlatent cache: {cache_status(config, data_plan)}"
     if prompts:

@@ -161,24 +161,47 @@ class PrecisionAuditError(RuntimeError):
     """A parameter or buffer whose dtype disagrees with the plan."""
 
 
-def audit(pipe, plan: PrecisionPlan, adapter: bool) -> None:
+def adapter_tensor_ids(module: torch.nn.Module) -> set[int]:
+    """The tensors (by `id`) of the peft adapters attached to `module`: the parameters and buffers
+    held under each tuner layer's `adapter_layer_names` (LoRA's `lora_A`/`lora_B`/DoRA magnitudes,
+    LoKr's `lokr_*`, LoHa's `hada_*`, and whatever kind peft adds), found by what the layer is,
+    not by a name prefix."""
+    import torch
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    found = set()
+    for layer in module.modules():
+        if not isinstance(layer, BaseTunerLayer):
+            continue
+        for attribute in layer.adapter_layer_names:
+            holder = getattr(layer, attribute, None)
+            if isinstance(holder, torch.nn.Module):
+                found.update(id(tensor) for tensor in [*holder.parameters(), *holder.buffers()])
+    return found
+
+
+def audit(pipe, plan: PrecisionPlan, adapter: bool) -> dict[str, int]:
     """Check every floating-point parameter and buffer against the plan; name what disagrees.
 
-    Trained tensors are the adapter's (`lora_` in the name) in adapter runs, and the parameters
-    that require gradients of trained components in full runs; everything else must be in its
-    component's storage dtype.
+    Trained tensors are the adapter's (those of peft's tuner layers, `adapter_tensor_ids`) in
+    adapter runs, and the parameters that require gradients of trained components in full runs;
+    everything else must be in its component's storage dtype. Returns how many tensors were
+    checked and how many of them were trained ones.
     """
-    problems = []
+    problems, counts = [], {"checked": 0, "trained": 0}
     for name, component in plan.components.items():
         module = getattr(pipe, name)
         storage = plan.torch_dtype(component.storage)
+        adapter_ids = adapter_tensor_ids(module) if adapter else set()
         for tensor_name, tensor in [*module.named_parameters(), *module.named_buffers()]:
             if not tensor.is_floating_point():
                 continue
             if adapter:
-                trained = "lora_" in tensor_name
+                trained = id(tensor) in adapter_ids
             else:
                 trained = getattr(tensor, "requires_grad", False) and component.trained is not None
+            counts["checked"] += 1
+            counts["trained"] += bool(trained)
             expected = plan.torch_dtype(component.trained) if trained else storage
             if tensor.dtype != expected:
                 problems.append(f"{name}.{tensor_name} is {str(tensor.dtype).removeprefix('torch.')}, "
@@ -189,3 +212,4 @@ def audit(pipe, plan: PrecisionPlan, adapter: bool) -> None:
             f"precision audit failed ({len(problems)} tensor(s)): {shown}. A layer created or loaded after "
             "the dtype cast keeps its own dtype and breaks mixed precision."
         )
+    return counts

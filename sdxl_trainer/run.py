@@ -290,12 +290,16 @@ def setup_models(config: Config, plan: RunPlan, precision: PrecisionPlan, accele
             hits, built = build_latent_cache(plan.data, config.data, cache, pipe.vae, device)
         accelerator.print(f"latent cache: {hits} hits, {built} encoded now")
     trainable = prepare_trainable(pipe, config)
+    # peft creates adapters in the dtype of the layer they wrap (bf16/fp16 here): they get their fp32
+    # master dtype before a resume loads the saved weights, which would otherwise be rounded to it.
+    cast_trained_parameters(trainable.modules, precision)
     if resume_folder and trainable.is_adapter:
         tensors = load_file(resume_folder / weight_file_name(config.adapter.type))
         for name, module in trainable.modules.items():
             load_adapter_weights(module, name, tensors)
-    cast_trained_parameters(trainable.modules, precision)
-    audit(pipe, precision, adapter=trainable.is_adapter)
+    audited = audit(pipe, precision, adapter=trainable.is_adapter)
+    accelerator.print(f"precision audit: {audited['checked']} tensors as planned, "
+                      f"{audited['trained']} of them trained")
     return noise_scheduler, cache, trainable
 
 
