@@ -16,7 +16,7 @@ endif
 .PHONY: test lint docs quickstart demo bench setup setup-dev
 
 test: lint
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n auto --dist loadfile
 
 lint: setup-dev
 	$(PYTHON) -m ruff check .

@@ -85,9 +85,10 @@ def row_of(name: str, evals: list[dict[str, Any]]) -> dict[str, Any]:
     final = next(entry for entry in evals if entry["tag"] == "final")
     row: dict[str, Any] = {"method": name}
     for entry in live:
-        row[f"concept@{entry['step']}"] = entry["accuracy"]["concept"]
-    row["concept_final"] = final["accuracy"]["concept"]
-    row["prior_final"] = final["accuracy"]["prior"]
+        row[f"concept@{entry['step']}"] = entry["accuracy"]["concept"]["all"]
+    concept, prior = final["accuracy"]["concept"], final["accuracy"]["prior"]
+    row |= {"concept_final": concept["all"], "concept_kinds": concept["kinds"], "concept_colours": concept["colours"],
+            "prior_final": prior["all"], "prior_kinds": prior["kinds"], "prior_colours": prior["colours"]}
     return row
 
 
@@ -106,7 +107,7 @@ def grid(rows: list[tuple[str, list[Path]]], out: Path) -> None:
 
 
 def eval_images(folder: Path) -> list[Path]:
-    return sorted(path for path in folder.glob("*.png") if path.name[:3].isdigit())
+    return sorted(path for path in folder.glob("*.png") if path.name[:2].isdigit())
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -101,9 +101,10 @@ class Evaluator:
         self.results.append(summary)
         return result
 
-    def _judge(self, images: list[Path], tag: str, step: int) -> dict[str, float]:
-        """Prompt accuracy per group, printed and logged as `eval/<tag>/accuracy/<group>`."""
-        from .world.accuracy import prompt_accuracy
+    def _judge(self, images: list[Path], tag: str, step: int) -> dict[str, dict[str, float]]:
+        """Prompt accuracy per group and per part of the prompt, printed and logged as
+        `eval/<tag>/accuracy/<group>` (every part right) and `…/<group>/<part>`."""
+        from .world.accuracy import PARTS, prompt_accuracy
 
         groups = prompt_accuracy(self.prompts[:len(images)], images)
         if groups:
@@ -111,8 +112,12 @@ class Evaluator:
                   + ", ".join(group.describe() for group in groups), flush=True)
         for group in groups:
             if self.writer:
-                self.writer.add_scalar(f"eval/{tag}/accuracy/{group.group or 'all'}", group.accuracy, step)
-        return {group.group or "all": group.accuracy for group in groups}
+                name = group.group or "all"
+                self.writer.add_scalar(f"eval/{tag}/accuracy/{name}", group.accuracy, step)
+                for part in PARTS:
+                    self.writer.add_scalar(f"eval/{tag}/accuracy/{name}/{part}", group.part_accuracy(part), step)
+        return {group.group or "all": {"all": group.accuracy, **{part: group.part_accuracy(part) for part in PARTS}}
+                for group in groups}
 
 
 def make_validation(batches: list[dict], num_train_timesteps: int, seed: int) -> ValidationSet:

@@ -106,3 +106,9 @@ def test_prompt_accuracy_counts_per_group_and_skips_other_prompts() -> None:
                EvalPrompt(caption(scenes[2]), "", 0, 64, 64, "b"), EvalPrompt("a photo of a cat", "", 0, 64, 64, "b")]
     groups = prompt_accuracy(prompts, images)
     assert [(g.group, g.correct, g.judged) for g in groups] == [("a", 1, 2), ("b", 1, 1)]
+    # Scene 2 drawn for scene 0's prompt: each part is right only where the two scenes agree.
+    wrong = {"background": scenes[0].background == scenes[2].background,
+             "colours": sorted(s.colour for s in scenes[0].shapes) == sorted(s.colour for s in scenes[2].shapes),
+             "kinds": sorted(s.kind for s in scenes[0].shapes) == sorted(s.kind for s in scenes[2].shapes)}
+    swapped = prompt_accuracy([prompts[0]], [images[2]])[0]
+    assert {part: swapped.part_accuracy(part) == 1.0 for part in wrong} == wrong and swapped.correct == 0

@@ -9,7 +9,8 @@ Stages, each resumable by running the command again (a stage whose output exists
 2. data:  PRETRAIN_IMAGES world images at 64², 96×64 and 64×96 with their captions (shapes the pretrained model
           knows: circle, square, triangle), written as an image folder the trainer reads.
 3. unet:  `train_sdxl.py --config configs/pretrain_tiny_sdxl.json`: a full fine-tune of the UNet
-          and both text encoders from random weights, by this trainer, on that folder.
+          and both text encoders from random weights (stage 1's VAE beside them), by this trainer,
+          on that folder.
 4. ship:  the trained pipeline as one fp16 safetensors file (sdxl_trainer/weights/), whose sha256
           goes into sdxl_trainer/tiny_model.py.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import math
 import random
 import shutil
@@ -28,6 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 from sdxl_trainer.tiny_model import build_tiny_sdxl_pipeline, shipped_weights_path  # noqa: E402
 from sdxl_trainer.world.scenes import WorldSettings, caption, render, scene_for_seed  # noqa: E402
 
-WORK = ROOT / ".cache" / "pretrain"
+WORK, SMOKE_WORK = ROOT / ".cache" / "pretrain", ROOT / ".cache" / "pretrain-smoke"
 VAE_STEPS, VAE_BATCH, VAE_CROP, VAE_LR, VAE_KL = 2000, 8, 64, 1e-3, 1e-6
 PRETRAIN_IMAGES, IMAGE_SIZE = 6000, 64
 # Two thirds square, the rest in the quickstart's two other buckets.
@@ -74,7 +77,7 @@ def psnr(vae, images: torch.Tensor) -> float:
     return float((10 * torch.log10(255.0**2 / mse)).mean())
 
 
-def train_vae(out: Path) -> None:
+def train_vae(out: Path, steps: int = VAE_STEPS) -> None:
     torch.manual_seed(0)
     pipe = build_tiny_sdxl_pipeline()
     vae = pipe.vae.train()
@@ -82,11 +85,11 @@ def train_vae(out: Path) -> None:
         vae.quant_conv.bias[vae.config.latent_channels:] -= 10.0
     optimizer = torch.optim.AdamW(vae.parameters(), lr=VAE_LR, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * step / VAE_STEPS)))
+        optimizer, lambda step: min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * step / steps)))
     rng = random.Random(0)
     held_out = held_out_images(HELD_OUT_SEEDS[:64])
     start = time.time()
-    for step in range(VAE_STEPS):
+    for step in range(steps):
         batch = world_batch(rng, VAE_BATCH, VAE_CROP)
         posterior = vae.encode(batch).latent_dist
         decoded = vae.decode(posterior.sample(generator=torch.Generator().manual_seed(step))).sample
@@ -96,7 +99,7 @@ def train_vae(out: Path) -> None:
         torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
         optimizer.step()
         schedule.step()
-        if step % 100 == 0 or step == VAE_STEPS - 1:
+        if step % 100 == 0 or step == steps - 1:
             vae.eval()
             print(f"vae step {step}: loss {loss.item():.5f}, held-out PSNR {psnr(vae, held_out):.2f} dB, "
                   f"{time.time() - start:.0f} s", flush=True)
@@ -113,26 +116,46 @@ def train_vae(out: Path) -> None:
     tmp.rename(out)
 
 
-def write_data(folder: Path) -> None:
+def write_data(folder: Path, count: int = PRETRAIN_IMAGES) -> None:
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for seed in TRAIN_SEEDS:
+    for seed in TRAIN_SEEDS[:count]:
         scene = scene_for_seed(seed)
         render(scene, *DATA_SIZES[seed % len(DATA_SIZES)])[0].save(tmp / f"world_{seed:05d}.png")
         (tmp / f"world_{seed:05d}.txt").write_text(caption(scene) + "\n", encoding="utf-8")
     tmp.rename(folder)
 
 
-def train_unet(base: Path, data: Path, out: Path) -> None:
+def initial_pipeline(work: Path) -> Path:
+    """The random-weight tiny SDXL with stage 1's trained VAE: what stage 3 starts from."""
+    from diffusers import AutoencoderKL
+
+    folder = work / "stage3-init"
+    if not (folder / "model_index.json").is_file():
+        pipe = build_tiny_sdxl_pipeline()
+        pipe.vae = AutoencoderKL.from_pretrained(work / "stage1-vae", subfolder="vae")
+        tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        tmp.rename(folder)
+    return folder
+
+
+def train_unet(work: Path, start: Path, name: str, overrides: dict[str, Any]) -> None:
+    """Stage 3 through the trainer's own command line; every folder it writes is under `work`."""
+    settings = {"model.id": str(start), "data.image_dir": str(work / "world-64"), "run.name": name,
+                "run.output_root": str(work / "runs"), "data.scan_cache_dir": str(work / "scan"),
+                "data.latent_cache.cache_dir": str(work / "latents"),
+                "training.tensorboard.base_dir": str(work / "tensorboard"), **overrides}
     config = ROOT / "configs" / "pretrain_tiny_sdxl.json"
-    command = [sys.executable, str(ROOT / "train_sdxl.py"), "--config", str(config),
-               "--set", f'model.id="{base}"', "--set", f'data.image_dir="{data}"',
-               "--set", f'run.output_root="{out.parent}"', "--set", f'run.name="{out.name}"']
+    command = [sys.executable, str(ROOT / "train_sdxl.py"), "--config", str(config)]
+    for key, value in settings.items():
+        command += ["--set", f"{key}={json.dumps(value)}"]
     subprocess.run(command, check=True, cwd=ROOT)
 
 
-def ship(trained: Path) -> None:
+def ship(trained: Path, target: Path) -> None:
     from diffusers import StableDiffusionXLPipeline
     from safetensors.torch import save_file
 
@@ -142,32 +165,37 @@ def ship(trained: Path) -> None:
         for key, value in getattr(pipe, name).state_dict().items():
             tensors[f"{name}.{key}"] = value.to(torch.float16).contiguous()
     metadata = {"vae_scaling_factor": repr(pipe.vae.config.scaling_factor)}
-    target = shipped_weights_path()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(target.name + ".tmp")
     save_file(tensors, tmp, metadata=metadata)
     tmp.replace(target)
     digest = hashlib.sha256(target.read_bytes()).hexdigest()
     print(f"shipped {target} ({target.stat().st_size / 1e6:.1f} MB), sha256 {digest}")
-    print("put this sha256 into sdxl_trainer/tiny_model.py (TINY_SDXL_SHA256)")
+    if target == shipped_weights_path():
+        print("put this sha256 into sdxl_trainer/tiny_model.py (TINY_SDXL_SHA256)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--stage", choices=["vae", "data", "unet", "ship", "all"], default="all")
-    parser.add_argument("--work", type=Path, default=WORK, help=f"where stages write (default {WORK})")
+    parser.add_argument("--work", type=Path, help=f"where stages write (default {WORK}, or {SMOKE_WORK} with --smoke)")
+    parser.add_argument("--smoke", action="store_true", help="a few steps of each stage, shipped into --work instead "
+                        "of the package: checks the recipe and its determinism in about a minute")
     args = parser.parse_args()
+    work = args.work or (SMOKE_WORK if args.smoke else WORK)
     torch.use_deterministic_algorithms(True)
-    vae_dir, data_dir, trained = args.work / "stage1-vae", args.work / "world-64", args.work / "runs" / "tiny-sdxl"
+    vae_dir, data_dir, runs = work / "stage1-vae", work / "world-64", work / "runs"
     stages = ["vae", "data", "unet", "ship"] if args.stage == "all" else [args.stage]
     if "vae" in stages and not vae_dir.is_dir():
-        train_vae(vae_dir)
+        train_vae(vae_dir, 20 if args.smoke else VAE_STEPS)
     if "data" in stages and not data_dir.is_dir():
-        write_data(data_dir)
-    if "unet" in stages and not (trained / "model_index.json").is_file():
-        train_unet(vae_dir, data_dir, trained)
+        write_data(data_dir, 96 if args.smoke else PRETRAIN_IMAGES)
+    short = {"training.num_steps": 10} if args.smoke else {}
+    if "unet" in stages and not (runs / "tiny-sdxl" / "model_index.json").is_file():
+        train_unet(work, initial_pipeline(work), "tiny-sdxl", short)
     if "ship" in stages:
-        ship(trained)
+        target = work / "tiny_sdxl.fp16.safetensors" if args.smoke else shipped_weights_path()
+        ship(runs / "tiny-sdxl", target)
 
 
 if __name__ == "__main__":
