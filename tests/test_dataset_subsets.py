@@ -14,7 +14,14 @@ from PIL import Image
 
 import dataset
 from sdxl_trainer.config import Config, DataConfig, ModelConfig
-from sdxl_trainer.diffusion import DrawSettings, LossModels, LossSettings, diffusion_loss, sample_draws
+from sdxl_trainer.diffusion import (
+    DrawSettings,
+    LossModels,
+    LossSettings,
+    diffusion_loss,
+    make_noise_scheduler,
+    sample_draws,
+)
 from sdxl_trainer.evaluator import validation_batches
 from sdxl_trainer.latent_cache import LatentCache
 from sdxl_trainer.models import load_pipeline
@@ -109,7 +116,8 @@ def output_gradient(pipe, batch: dict, settings: LossSettings) -> torch.Tensor:
     height, width = batch["target_sizes"][0].tolist()
     draws = sample_draws(batch["keys"], 0, (len(batch["keys"]), 4, height // 8, width // 8), DrawSettings())
     models = LossModels(pipe, unet, [pipe.text_encoder, pipe.text_encoder_2])
-    diffusion_loss(models, pipe.scheduler, batch, draws, "cpu", settings).backward()
+    scheduler = make_noise_scheduler(pipe.scheduler.config, None, False)  # what training builds
+    diffusion_loss(models, scheduler, batch, draws, "cpu", settings).backward()
     return captured["sample"].grad
 
 

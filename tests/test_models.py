@@ -10,7 +10,7 @@ import torch
 
 from sdxl_trainer.config import ConfigError, ModelConfig
 from sdxl_trainer.models import load_pipeline, resolve_source
-from sdxl_trainer.tiny_model import build_tiny_sdxl_pipeline, build_tiny_tokenizers
+from sdxl_trainer.tiny_model import build_pretrained_tiny_sdxl, build_tiny_tokenizers
 
 
 def test_sources_are_classified_without_touching_weights(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
@@ -45,7 +45,7 @@ def test_tiny_model_has_the_sdxl_topology(tiny_sdxl_dir: Path) -> None:
     assert unet.cross_attention_dim == te1 + te2
     assert unet.projection_class_embeddings_input_dim == 6 * unet.addition_time_embed_dim + te2
     assert len(pipe.vae.config.block_out_channels) == 4  # latents are H/8 x W/8
-    assert pipe.vae.config.scaling_factor == pytest.approx(0.13025)
+    assert pipe.vae.config.scaling_factor == pytest.approx(0.94686, abs=1e-5)  # pretraining: unit-variance latents
     # A real CLIP tokenizer: known words are single tokens, text is wrapped in start/end tokens.
     ids = pipe.tokenizer("a red circle").input_ids
     assert len(ids) == 5 and ids[0] == pipe.tokenizer.bos_token_id and ids[-1] == pipe.tokenizer.eos_token_id
@@ -53,7 +53,7 @@ def test_tiny_model_has_the_sdxl_topology(tiny_sdxl_dir: Path) -> None:
 
 
 def test_tiny_model_build_is_deterministic(tiny_sdxl_dir: Path) -> None:
-    rebuilt = build_tiny_sdxl_pipeline()
+    rebuilt = build_pretrained_tiny_sdxl()
     loaded = load_pipeline(ModelConfig(id="builtin:tiny-sdxl"))
     for name in ("unet", "vae", "text_encoder", "text_encoder_2"):
         ours, theirs = getattr(rebuilt, name).state_dict(), getattr(loaded, name).state_dict()

@@ -51,7 +51,9 @@ def test_cached_runs_train_bit_identical_weights(tmp_path: Path, tiny_sdxl_dir: 
     assert "text_encoder_2   fp32     -        fp32     cpu (text cache)" in stdout
     assert "(text cache)" not in live_stdout
     entries = list((tmp_path / "cached" / "text").glob("*/*.safetensors"))
-    assert len(entries) >= 18 * (2 if model else 1)  # 18 captions, and more texts with shuffle variants
+    distinct = len({path.read_text(encoding="utf-8").strip() for path in DATA_DIR.glob("*.txt")})
+    assert distinct == 15  # 18 images; two captions repeat
+    assert len(entries) >= distinct * (2 if model else 1)  # one per text and encoder, more with shuffle variants
     assert not (tmp_path / "live" / "text").exists()
     first, second = final_weights(with_cache), final_weights(without)
     assert first.keys() == second.keys() and len(first) > 10
