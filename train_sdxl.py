@@ -45,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_OK
         check_inputs(config)
         plan = plan_run(config)
+        from sdxl_trainer.memory.preflight import memory_preflight  # torch: not on the --help path
+
+        plan.memory, memory_lines = memory_preflight(config, plan, args.dry_run)
+        plan.preflight += memory_lines and f"\n{memory_lines}"
         plan.command = ["--config", args.config, *[part for item in args.set for part in ("--set", item)]]
         if os.environ.get("RANK", "0") == "0":  # one report, however many processes `accelerate launch` starts
             print(plan.preflight)
@@ -108,6 +112,8 @@ def train(config: Config, plan: RunPlan) -> int:
         return finish(run, "failed: could not write the outputs", EXIT_FAILED)
     finally:
         run.progress.close()
+        if run.memory:
+            run.memory.stop()
         run.stop.restore()
 
 

@@ -171,9 +171,10 @@ def measure(step: TrainerStep, batch: dict[str, Any], warmup: int, steps: int) -
     seconds = (time.perf_counter() - start) / steps
     if step.device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(step.device)
+        reserved = torch.cuda.max_memory_reserved(step.device)
     else:
-        peak = proc_status_kib("VmHWM") * 1024
-    return {"seconds": seconds, "peak_memory_GB": peak / 1e9}
+        peak = reserved = proc_status_kib("VmHWM") * 1024
+    return {"seconds": seconds, "peak_memory_GB": peak / 1e9, "peak_reserved_GB": reserved / 1e9}
 
 
 def run_mode(mode: str, args: argparse.Namespace, device, peak: float | None) -> list[dict[str, Any]]:
@@ -190,6 +191,7 @@ def run_mode(mode: str, args: argparse.Namespace, device, peak: float | None) ->
         for size in args.batch_sizes:
             row: dict[str, Any] = {"mode": label, "batch": size, "grad_ckpt": "on" if checkpointing else "off",
                                    "it_per_s": None, "images_per_s": None, "peak_memory_GB": None,
+                                   "peak_reserved_GB": None,
                                    "TFLOP_per_step": None, "achieved_TFLOPS": None, "MFU_percent": None, "status": "ok"}
             batch = step.batch(size, latent_side)
             try:
@@ -208,7 +210,8 @@ def run_mode(mode: str, args: argparse.Namespace, device, peak: float | None) ->
             count, with_recompute = flops[size]
             achieved = count / measured["seconds"] / 1e12
             row.update({"it_per_s": 1 / measured["seconds"], "images_per_s": size / measured["seconds"],
-                        "peak_memory_GB": measured["peak_memory_GB"], "TFLOP_per_step": count / 1e12,
+                        "peak_memory_GB": measured["peak_memory_GB"],
+                        "peak_reserved_GB": measured["peak_reserved_GB"], "TFLOP_per_step": count / 1e12,
                         "achieved_TFLOPS": achieved, "MFU_percent": 100 * achieved / peak if peak else None})
             if with_recompute:
                 row["status"] = "FLOPs include recomputation"
@@ -247,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{what}; bf16 autocast (trained weights fp32), optimizer {args.optimizer}, UNet"
         f"{' + CLIP-L' if args.text_encoder else ''} trained, attention: PyTorch SDPA. {args.steps} timed steps "
         f"after {args.warmup} warm-up steps. peak_memory_GB: torch.cuda.max_memory_allocated over the timed steps "
-        "(weights, optimizer state and activations; CPU: the process's RSS high-water mark). TFLOP_per_step: "
+        "(weights, optimizer state and activations; CPU: the process's RSS high-water mark); peak_reserved_GB: "
+        "torch.cuda.max_memory_reserved (what the caching allocator held). TFLOP_per_step: "
         "FlopCounterMode on one step with checkpointing off (model FLOPs, used for the checkpointed rows too). "
         f"MFU against {f'{peak:g} TFLOPS dense bf16' if peak else 'no known peak (pass --peak-tflops)'}."
     )

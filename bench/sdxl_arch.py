@@ -2,7 +2,7 @@
 benchmark, a narrower UNet and shallower text encoders for the converter benchmark.
 
 The full-size configs are those of stabilityai/stable-diffusion-xl-base-1.0 (UNet 2.6 B
-parameters, CLIP-L, OpenCLIP-bigG: sdxl_trainer/sdxl_base.py; the SDXL VAE here).
+parameters, VAE, CLIP-L, OpenCLIP-bigG: sdxl_trainer/sdxl_base.py).
 """
 
 from __future__ import annotations
@@ -10,16 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from sdxl_trainer.sdxl_base import CLIP_BIGG, CLIP_L, UNET
+from sdxl_trainer.sdxl_base import CLIP_BIGG, CLIP_L, UNET, VAE
 
 if TYPE_CHECKING:
     import torch
 
-VAE: dict[str, Any] = dict(
-    block_out_channels=(128, 256, 512, 512), down_block_types=("DownEncoderBlock2D",) * 4,
-    up_block_types=("UpDecoderBlock2D",) * 4, layers_per_block=2, latent_channels=4, sample_size=1024,
-    scaling_factor=0.13025,
-)
 # The converter benchmark's "large" model: every SDXL key (all blocks, transformer depths 1/2/10),
 # the UNet at a fifth of the width, CLIP-L with 4 layers and bigG with 2. About 1.65 GB in fp32;
 # its largest tensor is bigG's token embedding (49408 × 1280, 253 MB), as in the real SDXL.

@@ -237,6 +237,11 @@ class TrainingConfig(Section):
         "abort", description="On a non-finite loss/gradient: abort with a report, or skip the step."
     )
     max_nan_skips: PositiveInt = Field(10, description="Consecutive skipped steps before aborting.")
+    memory_check: Literal["auto", "warn", "refuse", "off"] = Field(
+        "auto", description="The memory plan against the device's free memory: `warn` or `refuse` when the "
+        "planned peak does not fit (with what would make it fit), `off` = no plan. `auto` = `warn` on a GPU; on the "
+        "CPU, where tracing the plan takes seconds and RAM is rarely the limit, the plan is made by `--dry-run` "
+        "only. With a plan, every log step records the measured peak beside it (docs/memory.md).")
     prior_loss_weight: float = Field(
         1.0, ge=0.0, description="Weight of regularization images (`data.subsets[].is_reg`) in the loss.")
     unmasked_weight: float = Field(

@@ -284,10 +284,12 @@ def scaled_latents(vae: AutoencoderKL, batch: dict, posterior_noise: torch.Tenso
     latent cache, or encoded now in fp32 without autocast and sampled with `posterior_noise`."""
     import torch
 
+    from .precision import autocast_device_type
+
     if "latents" in batch:  # from the latent cache: the VAE encoder never runs
         latents = batch["latents"].to(device, torch.float32)
     else:
-        with torch.no_grad(), torch.autocast(torch.device(device).type, enabled=False):
+        with torch.no_grad(), torch.autocast(autocast_device_type(device), enabled=False):
             posterior = vae.encode(batch["pixel_values"].to(device, dtype=vae.dtype)).latent_dist
             noise = posterior_noise.to(device, posterior.mean.dtype)
             latents = (posterior.mean + posterior.std * noise).float()

@@ -35,6 +35,8 @@ import torch
 from peft.tuners.lora import variants
 from peft.tuners.lora.layer import LoraLayer
 
+from .precision import autocast_device_type
+
 # Linear layers with at most this many weights use `merged_forward` in fp32: measured on the tiny
 # model's CPU step (bench/bench_dora.py), where its few ops beat the branch form's many small ones.
 # SDXL's smallest adapted layer has 320 × 320 weights, far above it.
@@ -79,7 +81,8 @@ def branch_forward(x: torch.Tensor, result: torch.Tensor, base: torch.nn.Module,
     if result.dim() == 4:  # Conv2d: a filter per row; magnitude (1, C, 1, 1) against outputs (N, C, H, W)
         weight, down, up = weight.flatten(1), down.flatten(1), up.flatten(1)
         bias = None if bias is None else bias.view(-1, 1, 1)
-    with torch.autocast(x.device.type, enabled=False) if _autocast_on(x.device.type) else contextlib.nullcontext():
+    autocast = autocast_device_type(x.device)
+    with torch.autocast(autocast, enabled=False) if _autocast_on(autocast) else contextlib.nullcontext():
         norm = weight_norm(_as(weight, dtype), _as(down, dtype), _as(up, dtype), scaling)
     scale = _as(magnitude / norm.view(magnitude.shape), dtype)
     return _Rescale.apply(_as(result, dtype), lora_B(lora_A(x)), scale, None if bias is None else _as(bias, dtype),

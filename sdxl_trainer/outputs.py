@@ -83,6 +83,14 @@ def run_hparams(config: Config) -> dict[str, Any]:
     }
 
 
+def log_memory(writer, step: int, peaks: dict[str, int], plan) -> None:
+    """The measured peaks since the last log step, in GB, and the planned peak beside them."""
+    for name, value in peaks.items():
+        writer.add_scalar(f"memory/{name}_GB", value / 1e9, step)
+    if plan is not None and peaks:
+        writer.add_scalar("memory/planned_GB", plan.peak / 1e9, step)
+
+
 def log_step(writer, step: int, loss: float, learning_rates: list[float], group_names: list[str],
              grad_norm: float, scaler, tensorboard: TensorBoardConfig) -> None:
     """The per-step scalars: loss, learning rate per component, gradient norm, AMP scale."""

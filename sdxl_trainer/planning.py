@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from .data_plan import DatasetPlan
     from .eval_prompts import EvalPrompt
     from .latent_cache import LatentCache
+    from .memory.plan import MemoryPlan
 
 
 @dataclass
@@ -27,6 +28,7 @@ class RunPlan:
     soft: dict[str, Any] = field(default_factory=dict)  # settings a resume may change (saved in every state)
     resume: tuple[Path, dict[str, Any]] | None = None  # (folder with the weights, trainer state) to continue from
     command: list[str] = field(default_factory=list)  # the arguments of this run, for the resume hint
+    memory: MemoryPlan | None = None  # the memory plan, when one was made (training.memory_check)
 
 
 def check_inputs(config: Config) -> None:

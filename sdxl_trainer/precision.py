@@ -77,6 +77,15 @@ class PrecisionPlan:
         return "\n".join(lines + [f"  warning: {warning}" for warning in self.warnings])
 
 
+def autocast_device_type(device) -> str:
+    """The device type whose autocast applies to tensors on `device`: its own, or the CPU's for the
+    meta device, on which the memory plan traces a step inside a CPU autocast region."""
+    import torch
+
+    device_type = torch.device(device).type
+    return "cpu" if device_type == "meta" else device_type
+
+
 def cached_encoders(config: Config) -> tuple[str, ...]:
     """The frozen encoders whose outputs this run reads from the text cache: none when the cache is
     off, or when caption shuffle draws a new order every epoch (those texts cannot be listed)."""

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from .ema import EMA
     from .evaluator import Evaluator
     from .latent_cache import LatentCache
+    from .memory.watch import PeakWatch
     from .output_folder import OutputLock
     from .precision import PrecisionPlan
     from .text_cache import StandIns
@@ -92,6 +93,7 @@ class Run:
     stop: StopRequest | None = None  # Ctrl-C / SIGTERM, from the first step to the end
     first_step: int = 0  # where this session started (a resume starts later than 0)
     earlier_seconds: float = 0.0  # training time of the sessions before a resume
+    memory: PeakWatch | None = None  # the measured peak, beside the plan (when there is one)
 
     @property
     def device(self) -> torch.device:
@@ -172,12 +174,22 @@ def start_run(config: Config, plan: RunPlan, pipe: StableDiffusionXLPipeline | N
     run.lock, run.first_step, run.started, run.warmup_steps = lock, run.position.step, time.time(), warmup_steps
     if state:  # from here on every process draws what it would have drawn next
         set_rng_state(state["rng"][accelerator.process_index % len(state["rng"])])
-    run.stop = StopRequest()
+    run.stop, run.memory = StopRequest(), watch_memory(run)
     if plan.prompts and not state and config.eval.live.enabled and config.eval.live.at_start:
         live_eval(run, 0)  # the "before" picture
     run.progress = tqdm(total=plan.total_steps, initial=run.position.step, desc="training",
                         disable=not accelerator.is_main_process)
     return run
+
+
+def watch_memory(run: Run) -> PeakWatch | None:
+    """The measured peak beside the plan, from here on (None when no plan was made)."""
+    from .memory.watch import PeakWatch
+
+    if run.plan.memory is None:
+        return None
+    components = [getattr(run.pipe, name) for name in ("unet", "vae", *ENCODERS)]
+    return PeakWatch(run.device, [t for module in components for t in [*module.parameters(), *module.buffers()]])
 
 
 def choose_seed(config: Config, state: dict[str, Any] | None, accelerator: Accelerator) -> int:
@@ -439,7 +451,7 @@ def after_step(run: Run, result: StepResult) -> None:
     from .distributed import is_sharded
     from .ema import EMA
     from .evaluator import live_eval_due
-    from .outputs import log_step
+    from .outputs import log_memory, log_step
 
     config, step, tally = run.config, run.position.step, run.tally
     training = config.training
@@ -452,9 +464,11 @@ def after_step(run: Run, result: StepResult) -> None:
         mean_loss = torch.stack(tally.logged_losses).float().mean().item()
         tally.logged_losses.clear()
         run.progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{run.lr_scheduler.get_last_lr()[0]:.2e}")
+        peaks = run.memory.take() if run.memory else {}
         if run.writer:
             log_step(run.writer, step, mean_loss, run.lr_scheduler.get_last_lr(), run.trainable.group_names,
                      float(result.grad_norm), run.scaler, training.tensorboard)
+            log_memory(run.writer, step, peaks, run.plan.memory)
     if run.accelerator.num_processes > 1 and not is_sharded(run.accelerator) and step % training.log_every == 0:
         check_ranks_agree(run, step)
         tally.rank_checks += 1
@@ -674,6 +688,24 @@ def interrupt_final(run: Run, pipe: StableDiffusionXLPipeline, snapshot: Trainer
     return finish(run, status, EXIT_INTERRUPTED)
 
 
+def memory_summary(run: Run) -> dict[str, Any] | None:
+    """Planned and measured peak (bytes) and their ratio; a warning when the measured one is more
+    than 10 % above the plan."""
+    from .memory.watch import OVER_PLAN
+
+    if run.memory is None:
+        return None
+    run.memory.stop()
+    planned, measured = run.plan.memory.peak, run.memory.run_peak
+    ratio = measured / planned if planned else None
+    if ratio and ratio > OVER_PLAN:
+        print(f"warning: the measured peak ({measured / 1e9:.2f} GB) is {ratio:.2f}x the memory plan "
+              f"({planned / 1e9:.2f} GB); please report it with the pre-flight's memory plan", file=sys.stderr)
+    return {"planned_peak_bytes": planned, "measured_peak_bytes": measured,
+            "measured_over_planned": round(ratio, 4) if ratio else None,
+            "measured": "torch.cuda.max_memory_allocated" if run.device.type == "cuda" else "tensor bytes tracked"}
+
+
 def finish(run: Run, status: str, code: int) -> int:
     """Write run_summary.json, close TensorBoard and say where things are (main process only)."""
     from .checkpointing import list_checkpoints
@@ -692,6 +724,7 @@ def finish(run: Run, status: str, code: int) -> int:
         "nan_events": run.guard.events,
         "eval": evaluator.results if evaluator else [],
         "invalid_eval_images": evaluator.invalid_images if evaluator else [],
+        "memory": memory_summary(run),
     }
     try:
         write_summary(config, summary)

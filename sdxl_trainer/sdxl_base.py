@@ -1,4 +1,4 @@
-"""The configs of SDXL base 1.0's UNet and text encoders (stabilityai/stable-diffusion-xl-base-1.0):
+"""The configs of SDXL base 1.0's UNet, VAE and text encoders (stabilityai/stable-diffusion-xl-base-1.0):
 the layer shapes every SDXL checkpoint shares. The benchmarks build full-size SDXL from them
 (bench/sdxl_arch.py), and the pre-flight reads its layer shapes from them where a model's own
 configs are not on disk (a single file without `model.config_dir`, a hub model not yet downloaded).
@@ -19,3 +19,8 @@ CLIP_L: dict[str, Any] = dict(hidden_size=768, intermediate_size=3072, num_hidde
                               hidden_act="quick_gelu", projection_dim=768)
 CLIP_BIGG: dict[str, Any] = dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
                                  num_attention_heads=20, hidden_act="gelu", projection_dim=1280)
+VAE: dict[str, Any] = dict(
+    block_out_channels=(128, 256, 512, 512), down_block_types=("DownEncoderBlock2D",) * 4,
+    up_block_types=("UpDecoderBlock2D",) * 4, layers_per_block=2, latent_channels=4, sample_size=1024,
+    scaling_factor=0.13025,
+)

@@ -1,0 +1,194 @@
+"""The memory plan in the pre-flight: made (or read from its cache) for the device the run will use,
+described, set against the device's free memory, and, when it does not fit, the changes that
+would make it fit, each with the saving a new plan computes for it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..atomic import write_json
+from ..config import Config, ConfigError
+from .plan import MemoryPlan, StepShape, plan_memory
+
+if TYPE_CHECKING:
+    from ..planning import RunPlan
+
+PLAN_FORMAT = 1  # bump when the planner counts differently: cached plans are then made again
+GB = 1e9
+
+
+@dataclass
+class Remedy:
+    """A change that would make a run fit, as config overrides, with its planned peak."""
+
+    what: str
+    changes: dict[str, Any]  # dotted config key -> value
+    peak: int = 0
+
+
+def run_device_type() -> str:
+    """The device type the run will train on, by the rule `run.make_accelerator` follows."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    return "mps" if torch.backends.mps.is_available() else "cpu"
+
+
+def free_memory(device: str) -> int | None:
+    """Bytes free on the device now (CUDA: what the driver reports; CPU: MemAvailable)."""
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.mem_get_info()[0]
+    if device == "mps":
+        return torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory()
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def memory_preflight(config: Config, plan: RunPlan, dry_run: bool) -> tuple[MemoryPlan | None, str]:
+    """The plan and its pre-flight lines; raises ConfigError when it does not fit and
+    `training.memory_check` is "refuse"."""
+    from .architecture import PlanSkipped
+
+    check, device = config.training.memory_check, run_device_type()
+    if check == "off" or (check == "auto" and device == "cpu" and not dry_run):
+        return None, ""
+    shape = StepShape.of(plan.data, plan.prompts)
+    try:
+        memory = cached_plan(config, shape, device)
+    except PlanSkipped as exc:
+        return None, f"memory plan: skipped ({exc}); the run itself is unaffected"
+    lines = [describe(memory, config)]
+    free = free_memory(device)
+    if free is not None and memory.peak > free:
+        remedies = ways_to_fit(config, shape, device, memory)
+        message = (f"the planned peak of {memory.peak / GB:.2f} GB does not fit the {free / GB:.2f} GB free on "
+                   f"this {device} device" + "".join(
+                       f"\n    - {remedy.what}: saves {(memory.peak - remedy.peak) / GB:.2f} GB "
+                       f"(peak {remedy.peak / GB:.2f} GB)" for remedy in remedies))
+        if check == "refuse":
+            raise ConfigError(f"training.memory_check: {message}")
+        lines.append(f"  warning: {message}")
+    elif free is not None:
+        lines.append(f"  fits: {free / GB:.2f} GB free on this {device} device")
+    return memory, "\n".join(lines)
+
+
+def describe(memory: MemoryPlan, config: Config) -> str:
+    """The plan in a few lines: the peak and where it is reached, then what holds the memory."""
+    shape = memory.shape
+    weights = ", ".join(f"{name} {sum(by_dtype.values()) / GB:.2f} GB "
+                        f"{'/'.join(dtype for dtype in by_dtype if dtype != 'int64')}"
+                        for name, by_dtype in memory.weights.items())
+    lines = [f"memory plan ({memory.device}; batch {shape.batch} at {shape.width}x{shape.height}; shapes from "
+             f"{memory.source}): peak {memory.peak / GB:.2f} GB in {memory.peak_step}",
+             f"  weights {memory.weight_bytes / GB:.2f} GB ({weights})"]
+    if memory.off_device:
+        lines.append("  off the device during steps (text cache): " + ", ".join(
+            f"{name} {size / GB:.2f} GB" for name, size in memory.off_device.items()))
+    checkpointing = "on" if config.model.use_gradient_checkpointing else "off"
+    lines.append(f"  trained {memory.trained / GB:.2f} GB, gradients {memory.gradients / GB:.2f} GB, optimizer "
+                 f"state {memory.optimizer_state / GB:.2f} GB ({config.optimizer.type}), EMA {memory.ema / GB:.2f} GB")
+    lines.append(f"  activations and temporaries at the training peak {memory.activations / GB:.2f} GB "
+                 f"(gradient checkpointing {checkpointing})")
+    if shape.eval_size:
+        lines.append(f"  eval peak {memory.eval_peak / GB:.2f} GB (UNet on the CFG batch at "
+                     f"{shape.eval_size[1]}x{shape.eval_size[0]}, fp32 VAE decode)")
+    if memory.workspace:
+        lines.append(f"  cuBLAS workspaces {memory.workspace / GB:.2f} GB; the CUDA context (about 0.5 GB) is "
+                     "outside torch's allocator and not in the plan")
+    return "\n".join(lines)
+
+
+def ways_to_fit(config: Config, shape: StepShape, device: str, memory: MemoryPlan) -> list[Remedy]:
+    """The changes that lower the peak, each planned anew; most saving first."""
+    remedies = []
+    model, adapter = config.model, config.adapter
+    if not model.use_gradient_checkpointing:
+        remedies.append(Remedy("gradient checkpointing (model.use_gradient_checkpointing)",
+                               {"model.use_gradient_checkpointing": True}))
+    if shape.batch > 1:
+        remedies.append(Remedy(f"batch 1 with {shape.batch}x gradient accumulation (training.batch_size=1, "
+                               f"training.grad_accum_steps={shape.batch * config.training.grad_accum_steps})",
+                               {"training.batch_size": 1}))
+    if config.optimizer.type not in ("adamw8bit", "lion8bit", "adafactor"):
+        remedies += [Remedy('8-bit AdamW (optimizer.type "adamw8bit")', {"optimizer.type": "adamw8bit"}),
+                     Remedy('Adafactor (optimizer.type "adafactor")', {"optimizer.type": "adafactor"})]
+    if not config.data.text_cache.enabled:
+        remedies.append(Remedy("the text cache (data.text_cache.enabled)", {"data.text_cache.enabled": True}))
+    for key in ("train_text_encoder_1", "train_text_encoder_2"):
+        if getattr(model, key):
+            remedies.append(Remedy(f"not training {key.removeprefix('train_')} (model.{key}=false)",
+                                   {f"model.{key}": False}))
+    if adapter.type != "none" and adapter.rank > 1:
+        remedies.append(Remedy(f"rank {adapter.rank // 2} (adapter.rank)", {"adapter.rank": adapter.rank // 2}))
+    for remedy in remedies:
+        changed = _with_changes(config, remedy.changes)
+        batch = 1 if "training.batch_size" in remedy.changes else shape.batch
+        remedy.peak = cached_plan(changed, StepShape(batch, shape.height, shape.width, shape.eval_size), device).peak
+    return sorted((r for r in remedies if r.peak < memory.peak), key=lambda r: r.peak)
+
+
+def _with_changes(config: Config, changes: dict[str, Any]) -> Config:
+    from ..config import validate_config
+
+    data = config.resolved()
+    for key, value in changes.items():
+        section, name = key.split(".")
+        data[section][name] = value
+    if changes.get("model.train_text_encoder_1") is False:
+        data["training"]["lr_text_encoder_1"] = None
+    if changes.get("model.train_text_encoder_2") is False:
+        data["training"]["lr_text_encoder_2"] = None
+    return validate_config(data)
+
+
+def cached_plan(config: Config, shape: StepShape, device: str) -> MemoryPlan:
+    """The plan, read from the cache when these inputs were planned before (a full-size plan
+    traces for tens of seconds)."""
+    from ..tiny_model import default_cache_dir
+
+    path = default_cache_dir() / "memory_plans" / f"{plan_key(config, shape, device)}.json"
+    try:
+        return MemoryPlan.from_json(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    memory = plan_memory(config, shape, device)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, memory.to_json())
+    except OSError:  # a read-only cache: the plan is still good
+        pass
+    return memory
+
+
+def plan_key(config: Config, shape: StepShape, device: str) -> str:
+    """What a plan depends on: the model's architecture, the training setup, the shape, the device
+    and the library versions that decide what a step allocates."""
+    import diffusers
+    import peft
+    import torch
+
+    from .architecture import component_configs
+
+    resolved = config.resolved()
+    inputs = {
+        "format": PLAN_FORMAT, "device": device, "shape": [shape.batch, shape.height, shape.width, shape.eval_size],
+        "architecture": component_configs(config.model)[0], "model": resolved["model"],
+        "adapter": resolved["adapter"], "optimizer": resolved["optimizer"],
+        "training": {key: resolved["training"][key] for key in ("mixed_precision", "prediction_type")},
+        "text_cache": [config.data.text_cache.enabled, config.data.shuffles_without_variants()],
+        "versions": [torch.__version__, diffusers.__version__, peft.__version__],
+    }
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:24]

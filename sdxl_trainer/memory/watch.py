@@ -1,0 +1,72 @@
+"""The measured peak beside the plan, per log step and over the run.
+
+CUDA: the caching allocator's own statistics (`max_memory_allocated`, what the plan predicts,
+and `max_memory_reserved`, what the driver gave it). CPU: torch keeps no statistics, so the
+tensor bytes are counted as the plan counts them (`tracker.LiveBytes`, active from the first step
+to the end of the run), beside the process's resident-set high-water mark (`VmHWM`, which also
+holds Python, libraries and the data loader).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from .tracker import LiveBytes
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+OVER_PLAN = 1.10  # a measured peak this much above the plan is worth a warning
+
+
+def rss_high_water_mark() -> int | None:
+    """The process's peak resident memory in bytes (Linux; None elsewhere)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class PeakWatch:
+    """Peaks since the last `take()` and over the whole run, for one device."""
+
+    def __init__(self, device: torch.device, tensors: Iterable[torch.Tensor]) -> None:
+        self.device = device
+        self.live = LiveBytes(device.type) if device.type == "cpu" else None
+        self.run_peak = 0
+        if self.live is not None:
+            self.live.track(tensors)
+            self.live.__enter__()
+        elif device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def take(self) -> dict[str, int]:
+        """The peaks since the last call (bytes), and a fresh start for the next ones."""
+        if self.device.type == "cuda":
+            peaks = {"allocated": torch.cuda.max_memory_allocated(self.device),
+                     "reserved": torch.cuda.max_memory_reserved(self.device)}
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.run_peak = max(self.run_peak, peaks["allocated"])
+            return peaks
+        if self.live is None:
+            return {}
+        peaks = {"tracked": self.live.peak}
+        rss = rss_high_water_mark()
+        if rss is not None:
+            peaks["rss_high_water_mark"] = rss
+        self.run_peak = max(self.run_peak, self.live.peak)
+        self.live.reset_peak()
+        return peaks
+
+    def stop(self) -> None:
+        """Stop counting (the end of the run); the run's peak stays readable."""
+        if self.live is not None:
+            self.take()
+            self.live.__exit__(None, None, None)
+            self.live = None
