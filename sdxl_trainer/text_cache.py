@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .atomic import atomic_path
-from .latent_cache import DTYPES, load_checked_entry
+from .latent_cache import DTYPES, load_checked_entry, save_entry
 from .latent_cache import vae_fingerprint as weights_fingerprint
 from .precision import ENCODERS, cached_encoders
 
@@ -79,12 +78,9 @@ class TextCache:
 
     def save(self, name: str, text: str, tensors: dict[str, torch.Tensor]) -> None:
         import torch
-        from safetensors.torch import save_file
 
-        dtype = getattr(torch, DTYPES[self.dtype])
-        tensors = {key: t.detach().to("cpu", dtype).contiguous() for key, t in tensors.items()}
-        with atomic_path(self.path(name, text)) as tmp:
-            save_file(tensors, str(tmp), metadata={"format": str(CACHE_FORMAT), "encoder": name})
+        save_entry(self.path(name, text), tensors, getattr(torch, DTYPES[self.dtype]),
+                   {"format": CACHE_FORMAT, "encoder": name})
 
     def missing(self, name: str, texts: Iterable[str]) -> list[str]:
         return [text for text in texts if self.load(name, text) is None]
