@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
+from .atomic import remove_dead_temps
 from .captions import augment_caption
 from .config import DataConfig
 from .crops import CropPlan, plan_crop, render_view
@@ -127,7 +128,9 @@ def build_latent_cache(plan: DatasetPlan, data: DataConfig, cache: LatentCache, 
     One view at a time: a VAE's output for an image differs in its last bits with its batch-mates,
     so batches would make an entry depend on which other entries were missing when it was built (a
     kill during the build, a deleted entry, another machine filling a shared cache). Alone, its
-    bytes depend on its key only, and a resume is exact whatever happened to the cache."""
+    bytes depend on its key only, and a resume is exact whatever happened to the cache. First the
+    temps of writers killed mid-entry go."""
+    remove_dead_temps(cache.cache_dir, depth=1)
     views = cache_views(plan, data)
     absent = set(cache.missing(key for _, key, _ in views))
     missing = [view for view in views if view[1] in absent]

@@ -127,10 +127,14 @@ class CachedEncoder:
 
 def build_text_cache(cache: TextCache, texts: list[str], pipe, device, autocast) -> tuple[int, int]:
     """Encode the (encoder, text) pairs missing from the cache, one text at a time as a frozen
-    encoder runs live (`frozen_encoder_outputs`), under the training's `autocast`. Returns (hits, built)."""
+    encoder runs live (`frozen_encoder_outputs`), under the training's `autocast`. Returns (hits, built).
+    First the temps of writers killed mid-entry go."""
     from tqdm.auto import tqdm
 
+    from .atomic import remove_dead_temps
     from .conditioning import frozen_encoder_outputs
+
+    remove_dead_temps(cache.cache_dir, depth=1)
 
     missing = [(name, text) for name in cache.encoders for text in cache.missing(name, texts)]
     for name, text in tqdm(missing, desc="caching text embeddings", disable=not missing):
