@@ -84,16 +84,16 @@ SOFT_CHANGE_EFFECTS = {
 }
 
 
-def check_compatible(saved: dict[str, Any], config: Config, soft: dict[str, Any]) -> list[str]:
+def check_compatible(saved: SavedState, config: Config, soft: dict[str, Any]) -> list[str]:
     """Raise a ConfigError naming every setting that differs from the saved run and would
     change what the weights mean; return warnings for the settings that may change."""
     current = identity(config)
-    differences = [f"{key}: {saved['identity'].get(key)!r} then, {value!r} now"
-                   for key, value in current.items() if saved["identity"].get(key) != value]
+    differences = [f"{key}: {saved.identity.get(key)!r} then, {value!r} now"
+                   for key, value in current.items() if saved.identity.get(key) != value]
     if differences:
         raise ConfigError("cannot resume: the run differs in " + "; ".join(differences))
     return [f"{key} changed: {SOFT_CHANGE_EFFECTS[key]}" for key, value in soft.items()
-            if saved["soft"].get(key) != value]
+            if saved.soft.get(key) != value]
 
 
 # ------------------------------------------------------------------------------- RNG state
@@ -167,7 +167,27 @@ def save_state(path: Path, config: Config, soft: dict[str, Any], snapshot: Train
         torch.save(state, tmp)
 
 
-def load_state(path: Path) -> dict[str, Any]:
+@dataclass
+class SavedState:
+    """A trainer state read back: the snapshot saved, and the settings it was saved under (what a
+    resume checks against the current config)."""
+
+    snapshot: TrainerSnapshot
+    identity: dict[str, Any]
+    soft: dict[str, Any]
+
+
+@dataclass
+class Resume:
+    """Where a resumed run continues from: the folder with the weights, and the snapshot of its state."""
+
+    folder: Path
+    snapshot: TrainerSnapshot
+
+
+def load_state(path: Path) -> SavedState:
+    """Read a trainer state (never running code from it); a missing, empty, truncated or foreign
+    file is a ConfigError naming it."""
     import torch
 
     if path.is_file() and path.stat().st_size == 0:
@@ -182,7 +202,12 @@ def load_state(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not a readable trainer state ({type(exc).__name__}: {exc})") from None
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         raise ConfigError(f"{path}: not a trainer state of this version")
-    return state
+    snapshot = TrainerSnapshot(
+        Position(**state["position"]), state["seed"], state["optimizer"], state["lr_scheduler"], state["scaler"],
+        state["ema"], state["nan_skips"], state["rng"],
+        seconds=state.get("seconds", 0.0),  # absent in states written before it was saved
+    )
+    return SavedState(snapshot, state["identity"], state["soft"])
 
 
 # --------------------------------------------------------------------------- where from

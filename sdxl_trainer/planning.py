@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from .config import UNBUILT, Config, ConfigError, unbuilt_options
 
 if TYPE_CHECKING:
+    from .checkpointing import Resume
     from .data_plan import DatasetPlan
     from .eval_prompts import EvalPrompt
     from .latent_cache import LatentCache
@@ -25,7 +26,7 @@ class RunPlan:
     prompts: list[EvalPrompt]  # eval prompts (empty when eval is off)
     preflight: str  # the report printed at the start and logged to TensorBoard
     soft: dict[str, Any] = field(default_factory=dict)  # settings a resume may change (saved in every state)
-    resume: tuple[Path, dict[str, Any]] | None = None  # (folder with the weights, trainer state) to continue from
+    resume: Resume | None = None  # where a resumed run continues from
     command: list[str] = field(default_factory=list)  # the arguments of this run, for the resume hint
 
 
@@ -63,7 +64,7 @@ def check_folders(config: Config) -> None:
 
 def plan_run(config: Config) -> RunPlan:
     """The data plan, the step count, the eval prompts and the resume point, with the report."""
-    from .checkpointing import check_compatible, check_resume_weights, load_state, resolve_resume, soft_settings
+    from .checkpointing import Resume, check_compatible, check_resume_weights, load_state, resolve_resume, soft_settings
     from .data_plan import EpochSettings, plan_dataset
     from .evaluator import eval_prompts
     from .lycoris_compat import lokr_load_warning
@@ -94,18 +95,18 @@ def plan_run(config: Config) -> RunPlan:
     found = resolve_resume(config)
     if found:
         folder, state_path = found
-        state = load_state(state_path)
+        saved = load_state(state_path)
         check_resume_weights(folder, config)
-        warnings = check_compatible(state, config, soft)
-        position = state["position"]
-        preflight += (f"\nresume: from {folder} at step {position['step']} (epoch {position['epoch']}, "
-                      f"batch {position['batches_in_epoch']} of it)")
+        warnings = check_compatible(saved, config, soft)
+        position = saved.snapshot.position
+        preflight += (f"\nresume: from {folder} at step {position.step} (epoch {position.epoch}, "
+                      f"batch {position.batches_in_epoch} of it)")
         preflight += "".join(f"\n  warning: {warning}" for warning in warnings)
-        resume = (folder, state)
+        resume = Resume(folder, saved.snapshot)
     elif config.training.resume_from == "latest":
         preflight += f"\nresume: latest: no checkpoint in {config.output_dir / 'checkpoints'} yet; starting a new run"
     if config.data.text_cache.enabled:  # a resumed run keeps its seed, and the shuffle variants drawn from it
-        seed = resume[1]["seed"] if resume else config.training.seed
+        seed = resume.snapshot.seed if resume else config.training.seed
         preflight += f"\ntext cache: {text_cache_status(config, data_plan, seed)}"
     return RunPlan(data_plan, total_steps, prompts, preflight, soft, resume)
 

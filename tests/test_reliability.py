@@ -188,14 +188,14 @@ def test_a_stop_during_the_final_save_checkpoints_and_the_resume_finishes_it(
     assert summary["status"] == "interrupted during the final save at step 4"
     checkpoint = out / "checkpoints" / "checkpoint-4"
     assert summary["checkpoints"] == [str(checkpoint)] and summary["seconds"] > 0
-    state = load_state(checkpoint / "trainer_state.pt")
-    assert state["position"]["step"] == 4 and 0 < state["seconds"] <= summary["seconds"]
+    state = load_state(checkpoint / "trainer_state.pt").snapshot
+    assert state.position.step == 4 and 0 < state.seconds <= summary["seconds"]
 
     monkeypatch.setattr(export, "export_after_training", real_export)
     assert train_sdxl.main(["--config", str(path), "--set", f"training.resume_from={checkpoint}"]) == 0
     closing = capsys.readouterr().out.strip().splitlines()[-1]
     assert closing.startswith("completed: 4 steps in ") and "(0 steps in " in closing and "since the resume" in closing
-    assert json.loads((out / "run_summary.json").read_text())["seconds"] >= state["seconds"]  # both sessions
+    assert json.loads((out / "run_summary.json").read_text())["seconds"] >= state.seconds  # both sessions
     expected, got = final_weights(tmp_path / "straight" / "out" / "test_run"), final_weights(out)
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
 
@@ -224,7 +224,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_earlier_checkpoint(
     assert line.startswith(f"error: cannot write {out / 'checkpoints' / 'checkpoint-4'}: the write failed (")
     assert "MiB free there); earlier checkpoints are intact" in line and "Traceback" not in err
     assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["checkpoint-2"]
-    assert load_state(out / "checkpoints" / "checkpoint-2" / "trainer_state.pt")["position"]["step"] == 2
+    assert load_state(out / "checkpoints" / "checkpoint-2" / "trainer_state.pt").snapshot.position.step == 2
     assert not leftovers(out)
     assert json.loads((out / "run_summary.json").read_text())["status"] == "failed: could not write the outputs"
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sdxl_trainer.checkpointing import load_state
+from sdxl_trainer.checkpointing import Position, load_state
 from tests.helpers import ROOT, run_cli, tiny_config, write_config
 
 
@@ -44,7 +44,7 @@ def final_weights(output: Path) -> dict[str, torch.Tensor]:
 
 
 def optimizer_tensors(state_path: Path) -> dict[str, torch.Tensor]:
-    state = load_state(state_path)["optimizer"]["state"]
+    state = load_state(state_path).snapshot.optimizer["state"]
     return {f"{index}/{name}": value for index, entry in state.items() for name, value in entry.items()
             if isinstance(value, torch.Tensor)}
 
@@ -55,8 +55,8 @@ def test_stop_and_resume_gives_bit_identical_weights(tmp_path: Path, tiny_sdxl_d
     result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "straight.json", straight)))
     assert result.returncode == 0, result.stderr[-3000:]
     checkpoint = tmp_path / "straight" / "out" / "test_run" / "checkpoints" / "checkpoint-3"
-    position = load_state(checkpoint / "trainer_state.pt")["position"]
-    assert position == {"step": 3, "epoch": 0, "batches_in_epoch": 6}  # inside the first epoch of 9 batches
+    position = load_state(checkpoint / "trainer_state.pt").snapshot.position
+    assert position == Position(step=3, epoch=0, batches_in_epoch=6)  # inside the first epoch of 9 batches
 
     resumed = resumable_config(tmp_path / "resumed", adapter_type, resume_from=str(checkpoint))
     result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "resumed.json", resumed)))
@@ -94,7 +94,7 @@ def test_a_crash_while_writing_keeps_the_previous_checkpoint(tmp_path: Path, tin
         train_sdxl.main(["--config", str(path)])
     checkpoints = tmp_path / "out" / "test_run" / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint-2"]  # no half-written checkpoint-4
-    assert load_state(checkpoints / "checkpoint-2" / "trainer_state.pt")["position"]["step"] == 2
+    assert load_state(checkpoints / "checkpoint-2" / "trainer_state.pt").snapshot.position.step == 2
 
     monkeypatch.setattr(outputs, "save_weights", real_save)
     assert train_sdxl.main(["--config", str(path), "--set", "training.resume_from=latest"]) == 0
@@ -120,7 +120,8 @@ def test_sigkill_at_any_moment_leaves_loadable_checkpoints(tmp_path: Path, tiny_
         process.send_signal(signal.SIGKILL)
         process.wait()
         for checkpoint in checkpoints.glob("checkpoint-*"):
-            assert load_state(checkpoint / "trainer_state.pt")["position"]["step"] == int(checkpoint.name.split("-")[1])
+            step = load_state(checkpoint / "trainer_state.pt").snapshot.position.step
+            assert step == int(checkpoint.name.split("-")[1])
             assert load_file(checkpoint / "pytorch_lora_weights.safetensors")
     latest = max(int(p.name.split("-")[1]) for p in checkpoints.glob("checkpoint-*"))
     result = run_cli("train_sdxl.py", "--config", str(path), "--set", "training.resume_from=latest",
@@ -189,10 +190,10 @@ def test_resume_refuses_another_rank_and_warns_about_another_length(tmp_path: Pa
                          "--set", "training.num_steps=8", "--set", f"run.name={name}")
         assert result.returncode == 0, result.stderr[-3000:]
         assert "total_steps changed: the run length changed: the LR schedule follows the new length" in result.stdout
-        longer.append(load_state(tmp_path / "out" / name / "trainer_state.pt"))
+        longer.append(load_state(tmp_path / "out" / name / "trainer_state.pt").snapshot)
     # Deterministically the new schedule: after 8 of 8 steps linear decay reaches min_factor 0.
-    assert longer[0]["lr_scheduler"]["_last_lr"] == [pytest.approx(0.0), pytest.approx(0.0)]
-    assert longer[0]["lr_scheduler"]["last_epoch"] == 8
+    assert longer[0].lr_scheduler["_last_lr"] == [pytest.approx(0.0), pytest.approx(0.0)]
+    assert longer[0].lr_scheduler["last_epoch"] == 8
     first = load_file(tmp_path / "out" / "longer" / "pytorch_lora_weights.safetensors")
     second = load_file(tmp_path / "out" / "again" / "pytorch_lora_weights.safetensors")
     assert all(torch.equal(first[key], second[key]) for key in first)
@@ -218,11 +219,11 @@ def test_a_changed_learning_rate_and_weight_decay_apply_on_resume(tmp_path: Path
     lowered = run("lowered", weight_decay=0.1, resume_from=checkpoint, lr_unet=2e-4)
     assert "resume: the config changes unet learning rate: 0.001 → 0.0002" in lowered.stdout
     assert "resume: the config changes unet weight_decay: 0.01 → 0.1" in lowered.stdout
-    state = load_state(tmp_path / "lowered" / "out" / "test_run" / "trainer_state.pt")
-    (group,) = state["optimizer"]["param_groups"]
+    state = load_state(tmp_path / "lowered" / "out" / "test_run" / "trainer_state.pt").snapshot
+    (group,) = state.optimizer["param_groups"]
     # After step 4 of 4 the linear decay is at its floor: the factor 0.5 times the new base rate.
     assert group["initial_lr"] == 2e-4 and group["lr"] == pytest.approx(1e-4) and group["weight_decay"] == 0.1
-    assert state["lr_scheduler"]["base_lrs"] == [2e-4]
+    assert state.lr_scheduler["base_lrs"] == [2e-4]
     straight = final_weights(tmp_path / "straight" / "out" / "test_run")
     same, low = (final_weights(tmp_path / name / "out" / "test_run") for name in ("unchanged", "lowered"))
     assert all(torch.equal(same[key], straight[key]) for key in same)
