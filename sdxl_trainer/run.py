@@ -9,6 +9,7 @@ clip, NaN verdict, step) and `after_step` (EMA, logging, rank check, live eval);
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 import secrets
@@ -190,35 +191,48 @@ def choose_seed(config: Config, state: TrainerSnapshot | None, accelerator: Acce
 
 
 def claim_output_folder(config: Config, plan: RunPlan, accelerator: Accelerator) -> OutputLock | None:
-    """The main process locks the output folder, removes what interrupted writes left there and
-    prunes checkpoints beyond the limit (a kill between writing one and pruning leaves one too
-    many); a folder in use by another run stops every process with a ConfigError."""
+    """The main process locks the output folder, removes what interrupted writes left there, chooses
+    the checkpoint to resume from (under the lock: the pre-flight's may be gone since) and prunes
+    checkpoints beyond the limit (a kill between writing one and pruning leaves one too many); every
+    process then continues from that choice. A folder in use by another run stops every process
+    with a ConfigError, a completed run with RunComplete."""
     from accelerate.utils import broadcast_object_list
 
-    from .checkpointing import prune_checkpoints
+    from .checkpointing import choose_resume, prune_checkpoints
     from .config import ConfigError
     from .output_folder import OutputLock, remove_leftovers
+    from .planning import settle_resume
 
-    lock, refusal = None, None
+    lock, refusal, choice = None, None, None
     if accelerator.is_main_process:
         lock = OutputLock(config.output_dir)
         try:
             note = lock.acquire()
+            removed = remove_leftovers(config)
+            choice = choose_resume(config, plan.total_steps)
         except ConfigError as exc:
+            if lock.handle:
+                lock.release()
             lock, refusal = None, str(exc)
         else:
             if note:
                 print(f"note: {note}")
-            removed = remove_leftovers(config) + prune_checkpoints(
-                config.output_dir / "checkpoints", config.training.checkpoints_total_limit,
-                keep=plan.resume.folder if plan.resume else None)
+            removed += prune_checkpoints(config.output_dir / "checkpoints", config.training.checkpoints_total_limit,
+                                         keep=choice.folder)
             if removed:
                 print(f"cleaned up {len(removed)} leftover(s) of an interrupted run: "
                       + ", ".join(path.name for path in removed[:3]) + (" …" if len(removed) > 3 else ""))
-    if accelerator.num_processes > 1:
-        refusal = broadcast_object_list([refusal])[0]
+    if accelerator.num_processes > 1:  # the state stays behind: each process reads it from the file
+        refusal, choice = broadcast_object_list([refusal, choice and dataclasses.replace(choice, saved=None)])
     if refusal:
         raise ConfigError(refusal)
+    try:
+        for line in settle_resume(plan, choice, config):
+            accelerator.print(line)
+    except BaseException:
+        if lock:
+            lock.release()
+        raise
     return lock
 
 

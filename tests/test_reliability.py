@@ -25,6 +25,7 @@ from sdxl_trainer.atomic import HOST, TEMP_NAME
 from sdxl_trainer.checkpointing import list_checkpoints, load_state, prune_checkpoints
 from sdxl_trainer.config import ConfigError, load_config
 from sdxl_trainer.output_folder import LEFTOVER, OutputLock, remove_leftovers
+from sdxl_trainer.planning import plan_run
 from tests.helpers import DATA_DIR, ROOT, run_cli, tiny_config, write_config
 from tests.test_preemptible import STEPS, Job
 from tests.test_resume import final_weights
@@ -108,6 +109,25 @@ def test_a_start_removes_the_temps_of_dead_writers_in_the_caches_and_the_single_
         for process in writers:
             process.kill()
             process.wait()
+
+
+def test_the_checkpoint_is_chosen_once_the_lock_is_held(tmp_path: Path, tiny_sdxl_dir: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """The pre-flight's choice is only shown: a checkpoint pruned before the lock is taken (another
+    run on the folder) no longer crashes the start, which resumes from what is there under the lock."""
+    path = write_config(tmp_path / "c.json", tiny_config(tmp_path, training={"num_steps": 6, "checkpoint_every": 2}))
+    assert train_sdxl.main(["--config", str(path)]) == 0
+    checkpoints = tmp_path / "out" / "test_run" / "checkpoints"
+    config = load_config(path, ["training.resume_from=latest", "training.num_steps=8"])
+    plan = plan_run(config)
+    assert plan.resume.folder == checkpoints / "checkpoint-4"
+    shutil.rmtree(checkpoints / "checkpoint-4")
+    capsys.readouterr()
+    assert train_sdxl.train(config, plan) == 0
+    out = capsys.readouterr().out
+    assert "resume: the checkpoints changed since the pre-flight (another run on this folder?); now:\n" \
+           f"resume: from {checkpoints / 'checkpoint-2'} at step 2" in out
+    assert json.loads((checkpoints.parent / "run_summary.json").read_text())["steps"] == 8
 
 
 def test_pruning_keeps_the_limit_and_never_the_checkpoint_being_resumed(tmp_path: Path) -> None:

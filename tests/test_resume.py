@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import train_sdxl
 from sdxl_trainer.checkpointing import Position, load_state
 from tests.helpers import ROOT, run_cli, tiny_config, write_config
 
@@ -228,3 +229,56 @@ def test_a_changed_learning_rate_and_weight_decay_apply_on_resume(tmp_path: Path
     same, low = (final_weights(tmp_path / name / "out" / "test_run") for name in ("unchanged", "lowered"))
     assert all(torch.equal(same[key], straight[key]) for key in same)
     assert [key for key in same if not torch.equal(same[key], low[key])]
+
+
+def finished_run(tmp_path: Path, **training) -> Path:
+    """A config resuming from `latest`, after a run of it that completed (checkpoints every 2 steps)."""
+    config = tiny_config(tmp_path, training={"checkpoint_every": 2, "resume_from": "latest", **training})
+    path = write_config(tmp_path / "c.json", config)
+    assert train_sdxl.main(["--config", str(path)]) == 0
+    return path
+
+
+def test_latest_on_a_completed_run_says_so_and_touches_nothing(tmp_path: Path, tiny_sdxl_dir: Path,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    path = finished_run(tmp_path, num_steps=4)
+    files = [file for file in sorted(tmp_path.rglob("*")) if file.is_file()]
+    before = {file: (file.stat().st_mtime_ns, file.read_bytes()) for file in files}
+    assert any(file.name == "pytorch_lora_weights.safetensors" for file in files) and len(files) > 20
+    capsys.readouterr()
+    assert train_sdxl.main(["--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count(f"resume: latest: the run in {tmp_path / 'out' / 'test_run'} completed all 4 steps; "
+                     "nothing to do") == 1
+    assert "seed: " not in out  # stopped before loading anything
+    after = [file for file in sorted(tmp_path.rglob("*")) if file.is_file()]
+    assert after == files and {file: (file.stat().st_mtime_ns, file.read_bytes()) for file in after} == before
+
+
+def test_latest_passes_over_a_damaged_newest_checkpoint(tmp_path: Path, tiny_sdxl_dir: Path,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    path = finished_run(tmp_path, num_steps=6)
+    checkpoints = tmp_path / "out" / "test_run" / "checkpoints"
+    state, weights = checkpoints / "checkpoint-4" / "trainer_state.pt", checkpoints / "checkpoint-4" / (
+        "pytorch_lora_weights.safetensors")
+    intact = state.read_bytes()
+    state.write_bytes(intact[: len(intact) // 2])
+    longer = ["--config", str(path), "--set", "training.num_steps=8"]
+    capsys.readouterr()
+    assert train_sdxl.main([*longer, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"resume: from {checkpoints / 'checkpoint-2'} at step 2" in out
+    assert f"warning: checkpoint-4 is damaged ({state}: not a readable trainer state" in out
+    state.write_bytes(intact)
+    weights.write_bytes(weights.read_bytes()[:-100])
+    assert train_sdxl.main(longer) == 0
+    out = capsys.readouterr().out
+    assert f"resume: from {checkpoints / 'checkpoint-2'} at step 2" in out
+    assert f"warning: checkpoint-4 is damaged (training.resume_from: {weights}: truncated: " in out
+    assert json.loads((checkpoints.parent / "run_summary.json").read_text())["steps"] == 8
+    for checkpoint in checkpoints.iterdir():  # none intact: one line naming each, nothing started
+        (checkpoint / "trainer_state.pt").write_bytes(b"")
+    assert train_sdxl.main([*longer, "--set", "training.num_steps=10"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: training.resume_from = 'latest': no intact checkpoint: checkpoint-6 is damaged (")
+    assert "checkpoint-4 is damaged" in err and "checkpoint-2 is damaged" in err and len(err.splitlines()) == 1
