@@ -15,6 +15,7 @@ import json
 import os
 import sys
 
+from sdxl_trainer.checkpointing import RunComplete
 from sdxl_trainer.config import Config, ConfigError, load_config
 from sdxl_trainer.planning import RunPlan, check_inputs, plan_run
 from sdxl_trainer.stop_request import EXIT_INTERRUPTED
@@ -53,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":  # one report, however many processes `accelerate launch` starts
             print(plan.preflight)
         return EXIT_OK if args.dry_run else train(config, plan)
+    except RunComplete as exc:  # said in the pre-flight, unless it completed after that
+        if os.environ.get("RANK", "0") == "0" and str(exc) not in plan.preflight:
+            print(exc)
+        return EXIT_OK
     except ConfigError as exc:  # also what loading the model finds wrong with it
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE

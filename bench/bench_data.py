@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
         folder.mkdir()
         make_images(folder, images)
         config = DataConfig(image_dir=str(folder), size=SIZE, bucket={"divisible_by": 64, "batch_size": 2},
-                            latent_cache={"cache_dir": str(Path(tmp) / "cache"), "build_batch_size": 2})
+                            latent_cache={"cache_dir": str(Path(tmp) / "cache")})
         start = time.perf_counter()
         plan = dataset.plan_dataset(config, batch_size=1)
         scan_seconds = time.perf_counter() - start

@@ -4,15 +4,22 @@ Everything is written to a temporary name in the destination's own folder (so th
 stays on one filesystem) and renamed into place only once it is complete. A write that fails
 (a full disk, above all) removes its temporary file and raises `OutputWriteError`: one line
 naming the destination, the reason and the free space left.
+
+A kill leaves the temporary file behind. Its name says who wrote it (`.<name>.<pid>-<host>.<random>.tmp`,
+the host as a hash of its name), so that a start can remove the temps of writers that are gone from
+folders other runs share (the caches, the single-file folder) while leaving those still being written.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
+import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +36,9 @@ _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EFBIG
 # How torch.save and safetensors report a failed write: without an errno, only in the message.
 _WRITE_FAILURE_TEXTS = ("No space left on device", "PytorchStreamWriter", "inline_container", "iostream error",
                         "unexpected pos")
+HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+# A temp of `atomic_path` or `atomic_dir`: the writer's pid and host, then tempfile's random part.
+TEMP_NAME = re.compile(r"^\..+\.(\d+)-([0-9a-f]{8})\.[a-z0-9_]+\.tmp$")
 
 
 class OutputWriteError(Exception):
@@ -66,7 +76,7 @@ def atomic_path(destination: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield a temporary file path; on success it replaces `destination` in one rename."""
     destination = Path(destination)
     destination.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{destination.name}.", suffix=".tmp", dir=destination.parent)
+    fd, tmp_name = tempfile.mkstemp(prefix=_temp_prefix(destination), suffix=".tmp", dir=destination.parent)
     os.close(fd)
     tmp = Path(tmp_name)
     try:
@@ -88,7 +98,7 @@ def atomic_dir(destination: str | os.PathLike[str]) -> Iterator[Path]:
     """
     destination = Path(destination)
     destination.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", suffix=".tmp", dir=destination.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(destination), suffix=".tmp", dir=destination.parent))
     try:
         with reported_write_failures(destination):
             yield tmp
@@ -118,3 +128,40 @@ def write_json(destination: str | os.PathLike[str], data: Any) -> None:
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as handle:
         os.fsync(handle.fileno())
+
+
+def _temp_prefix(destination: Path) -> str:
+    return f".{destination.name}.{os.getpid()}-{HOST}."
+
+
+def remove_dead_temps(folder: str | os.PathLike[str], depth: int = 0) -> list[Path]:
+    """Remove the temps in `folder` (and its subfolders, `depth` levels down) whose writer is gone:
+    a process of this machine that no longer exists. Others stay: a live writer's, another machine's
+    (whose processes cannot be seen from here) and names this module did not make. Returns what
+    was removed."""
+    removed = []
+    try:
+        entries = sorted(os.scandir(folder), key=lambda entry: entry.name)
+    except OSError:  # no such folder (nothing cached yet), or unreadable: nothing to clean
+        return removed
+    for entry in entries:
+        match = TEMP_NAME.match(entry.name)
+        if match and match.group(2) == HOST and not _process_exists(int(match.group(1))):
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                Path(entry.path).unlink(missing_ok=True)
+            removed.append(Path(entry.path))
+        elif depth and not match and entry.is_dir(follow_symlinks=False):
+            removed += remove_dead_temps(entry.path, depth - 1)
+    return removed
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

@@ -17,7 +17,7 @@ import random
 import re
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -84,16 +84,16 @@ SOFT_CHANGE_EFFECTS = {
 }
 
 
-def check_compatible(saved: dict[str, Any], config: Config, soft: dict[str, Any]) -> list[str]:
+def check_compatible(saved: SavedState, config: Config, soft: dict[str, Any]) -> list[str]:
     """Raise a ConfigError naming every setting that differs from the saved run and would
     change what the weights mean; return warnings for the settings that may change."""
     current = identity(config)
-    differences = [f"{key}: {saved['identity'].get(key)!r} then, {value!r} now"
-                   for key, value in current.items() if saved["identity"].get(key) != value]
+    differences = [f"{key}: {saved.identity.get(key)!r} then, {value!r} now"
+                   for key, value in current.items() if saved.identity.get(key) != value]
     if differences:
         raise ConfigError("cannot resume: the run differs in " + "; ".join(differences))
     return [f"{key} changed: {SOFT_CHANGE_EFFECTS[key]}" for key, value in soft.items()
-            if saved["soft"].get(key) != value]
+            if saved.soft.get(key) != value]
 
 
 # ------------------------------------------------------------------------------- RNG state
@@ -167,7 +167,27 @@ def save_state(path: Path, config: Config, soft: dict[str, Any], snapshot: Train
         torch.save(state, tmp)
 
 
-def load_state(path: Path) -> dict[str, Any]:
+@dataclass
+class SavedState:
+    """A trainer state read back: the snapshot saved, and the settings it was saved under (what a
+    resume checks against the current config)."""
+
+    snapshot: TrainerSnapshot
+    identity: dict[str, Any]
+    soft: dict[str, Any]
+
+
+@dataclass
+class Resume:
+    """Where a resumed run continues from: the folder with the weights, and the snapshot of its state."""
+
+    folder: Path
+    snapshot: TrainerSnapshot
+
+
+def load_state(path: Path) -> SavedState:
+    """Read a trainer state (never running code from it); a missing, empty, truncated or foreign
+    file is a ConfigError naming it."""
     import torch
 
     if path.is_file() and path.stat().st_size == 0:
@@ -182,35 +202,88 @@ def load_state(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not a readable trainer state ({type(exc).__name__}: {exc})") from None
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         raise ConfigError(f"{path}: not a trainer state of this version")
-    return state
+    snapshot = TrainerSnapshot(
+        Position(**state["position"]), state["seed"], state["optimizer"], state["lr_scheduler"], state["scaler"],
+        state["ema"], state["nan_skips"], state["rng"],
+        seconds=state.get("seconds", 0.0),  # absent in states written before it was saved
+    )
+    return SavedState(snapshot, state["identity"], state["soft"])
 
 
 # --------------------------------------------------------------------------- where from
-def resolve_resume(config: Config) -> tuple[Path, Path] | None:
-    """(folder with the weights, trainer state file) to resume from, or None for a fresh run.
+class RunComplete(Exception):
+    """`resume_from: latest` found a run that completed every step: nothing to do (exit 0)."""
 
-    `resume_from` is an output folder, a checkpoint folder, or "latest" (the newest complete
-    checkpoint of this run, or a fresh run while there is none: one command serves every start of
-    a preemptible job); `resume_state_path` defaults to `<resume_from>/trainer_state.pt`.
-    The answer depends only on the files, never on the process's rank, so every process of a
-    launch reads the same folder and makes the same decision.
+
+@dataclass
+class ResumeChoice:
+    """Where a start continues from. The pre-flight shows one; the run makes its own under the
+    output folder's lock (checkpoints may have changed in between) and keeps that one."""
+
+    folder: Path | None = None  # the weights; None: a new run
+    state_path: Path | None = None
+    saved: SavedState | None = None  # what `state_path` holds (not sent between processes)
+    skipped: list[str] = field(default_factory=list)  # damaged newer checkpoints passed over, and why
+    complete: str = ""  # `latest` of a completed run: what says so (then there is nothing to do)
+
+
+def choose_resume(config: Config, total_steps: int) -> ResumeChoice:
+    """Where to resume from: `resume_from` is None (a new run), an output or checkpoint folder, or
+    "latest": nothing to do when the run completed `total_steps`, else the newest intact checkpoint
+    of this run (a damaged newer one is passed over and named), or a new run while there is none
+    (one command serves every start of a preemptible job). `resume_state_path` defaults to
+    `<folder>/trainer_state.pt`. The answer depends only on the files, never on the process's rank.
     """
     resume_from = config.training.resume_from
     if resume_from is None:
-        return None
-    if resume_from == "latest":
-        checkpoints = list_checkpoints(config.output_dir / "checkpoints")
-        if not checkpoints:
-            return None  # nothing saved yet (a first start, or killed before the first checkpoint)
-        folder = checkpoints[-1]
-    else:
+        return ResumeChoice()
+    if resume_from != "latest":
         folder = Path(resume_from)
         if not folder.is_dir():
             raise ConfigError(f"training.resume_from = {resume_from!r}: no such folder")
+        return read_checkpoint(config, folder)
+    complete = completed(config, total_steps)
+    if complete:
+        return ResumeChoice(complete=complete)
+    skipped = []
+    for folder in reversed(list_checkpoints(config.output_dir / "checkpoints")):
+        try:
+            return replace(read_checkpoint(config, folder), skipped=skipped)
+        except ConfigError as exc:
+            skipped.append(f"{folder.name} is damaged ({exc})")
+    if skipped:
+        raise ConfigError("training.resume_from = 'latest': no intact checkpoint: " + "; ".join(skipped))
+    return ResumeChoice()  # nothing saved yet (a first start, or killed before the first checkpoint)
+
+
+def read_checkpoint(config: Config, folder: Path) -> ResumeChoice:
+    """A checkpoint's trainer state, read, and its weights checked complete (ConfigError if not)."""
     state = Path(config.training.resume_state_path) if config.training.resume_state_path else folder / STATE_FILE
     if not state.is_file():
         raise ConfigError(f"training.resume_from = {str(folder)!r}: no {state.name} (set training.resume_state_path)")
-    return folder, state
+    saved = load_state(state)
+    check_resume_weights(folder, config)
+    return ResumeChoice(folder, state, saved)
+
+
+def completed(config: Config, total_steps: int) -> str:
+    """Why the run in the output folder has nothing left to do, or "": its summary says it completed,
+    its final trainer state is at `total_steps` or beyond, and no checkpoint is newer. A run that
+    differs in what the weights mean is a ConfigError, as its checkpoints would be."""
+    try:
+        summary = json.loads((config.output_dir / "run_summary.json").read_text(encoding="utf-8"))
+        saved = load_state(config.state_path)
+    except (OSError, ValueError, ConfigError):  # no finished run there (or not readable as one)
+        return ""
+    step = saved.snapshot.position.step
+    checkpoints = list_checkpoints(config.output_dir / "checkpoints")
+    newest = int(CHECKPOINT_NAME.match(checkpoints[-1].name).group(1)) if checkpoints else 0
+    if not (isinstance(summary, dict) and summary.get("status") == "completed" and summary.get("steps") == step
+            and step >= total_steps and newest <= step):
+        return ""
+    check_compatible(saved, config, saved.soft)
+    return (f"resume: latest: the run in {config.output_dir} completed all {step} steps; nothing to do "
+            "(raise training.num_steps to train on, or set another run.name for a new run)")
 
 
 def check_resume_weights(folder: Path, config: Config) -> None:

@@ -319,7 +319,11 @@ class LatentCacheConfig(Section):
     dtype: Literal["auto", "fp32", "fp16", "bf16"] = Field(
         "auto", description="Storage dtype; `auto` follows the precision policy."
     )
-    build_batch_size: PositiveInt = Field(2, description="Batch size while building missing latents.")
+    build_batch_size: PositiveInt = Field(
+        1, description="Ignored, accepted so that older configs load: the cache encodes one view at a time, so that "
+        "an entry's bytes depend on its key alone (a VAE's output shifts in the last bits with its batch-mates, "
+        "which broke exact resume after a kill during the build).",
+    )
     latents: Literal["sample", "mode"] = Field(
         "sample",
         description="`sample`: store the VAE's latent distribution (mean and std) and draw a new sample "

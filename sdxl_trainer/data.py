@@ -8,12 +8,12 @@ are exactly the views training asks for.
 from __future__ import annotations
 
 import random
-from collections import defaultdict
 
 import torch
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
+from .atomic import remove_dead_temps
 from .captions import augment_caption
 from .config import DataConfig
 from .crops import CropPlan, plan_crop, render_view
@@ -122,26 +122,22 @@ def cache_views(plan: DatasetPlan, data: DataConfig) -> list[tuple[Sample, Laten
 
 
 def build_latent_cache(plan: DatasetPlan, data: DataConfig, cache: LatentCache, vae, device) -> tuple[int, int]:
-    """Encode the views missing from the cache, in batches of `build_batch_size` per bucket, with
-    their masks. Returns (hits, built). The VAE runs here and nowhere else in a cached run."""
+    """Encode the views missing from the cache, with their masks. Returns (hits, built). The VAE
+    runs here and nowhere else in a cached run.
+
+    One view at a time: a VAE's output for an image differs in its last bits with its batch-mates,
+    so batches would make an entry depend on which other entries were missing when it was built (a
+    kill during the build, a deleted entry, another machine filling a shared cache). Alone, its
+    bytes depend on its key only, and a resume is exact whatever happened to the cache. First the
+    temps of writers killed mid-entry go."""
+    remove_dead_temps(cache.cache_dir, depth=1)
     views = cache_views(plan, data)
     absent = set(cache.missing(key for _, key, _ in views))
     missing = [view for view in views if view[1] in absent]
-    by_size: dict[tuple[int, int], list] = defaultdict(list)
-    for view in missing:
-        by_size[view[0].target].append(view)
-    batch_size = data.latent_cache.build_batch_size
-    with tqdm(total=len(missing), desc="caching latents", disable=not missing) as progress:
-        for target, group in sorted(by_size.items()):
-            for start in range(0, len(group), batch_size):
-                chunk = group[start : start + batch_size]
-                pixels = torch.stack([
-                    view_pixels(sample.record, target, crop, data) for sample, _, crop in chunk
-                ]).to(device, dtype=vae.dtype)
-                with torch.no_grad():
-                    distribution = vae.encode(pixels).latent_dist
-                for row, (sample, key, crop) in enumerate(chunk):
-                    mask = view_mask(sample.record, target, crop) if key.mask else None
-                    cache.save(key, distribution.mean[row], distribution.std[row], mask)
-                progress.update(len(chunk))
+    for sample, key, crop in tqdm(missing, desc="caching latents", disable=not missing):
+        pixels = view_pixels(sample.record, sample.target, crop, data)[None].to(device, dtype=vae.dtype)
+        with torch.no_grad():
+            distribution = vae.encode(pixels).latent_dist
+        mask = view_mask(sample.record, sample.target, crop) if key.mask else None
+        cache.save(key, distribution.mean[0], distribution.std[0], mask)
     return len(views) - len(missing), len(missing)

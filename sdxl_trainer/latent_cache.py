@@ -14,7 +14,7 @@ import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .atomic import atomic_path
 
@@ -95,6 +95,17 @@ def load_checked_entry(path: Path, shapes: dict[str, tuple[int, ...]], dtype: st
     return tensors
 
 
+def save_entry(path: Path, tensors: dict[str, torch.Tensor], dtype: torch.dtype, about: dict[str, Any]) -> None:
+    """Write a cache entry atomically, in `dtype`, its bytes a function of its content alone (the
+    latent cache and the text cache write through here): safetensors writes a metadata of several
+    keys in a random order, so `about` goes in as one sorted JSON value."""
+    from safetensors.torch import save_file
+
+    tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in tensors.items()}
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"sdxl_trainer": json.dumps(about, sort_keys=True)})
+
+
 class LatentCache:
     """Reads and writes cached latents under `cache_dir` for one VAE, dtype and storage mode."""
 
@@ -125,7 +136,6 @@ class LatentCache:
              mask: torch.Tensor | None = None) -> None:
         """Store one view's latent distribution (the mean alone in "mode"), and its loss mask."""
         import torch
-        from safetensors.torch import save_file
 
         dtype = getattr(torch, DTYPES[self.dtype])
         tensors = {"mean": mean}
@@ -133,9 +143,7 @@ class LatentCache:
             tensors["std"] = std
         if key.mask:
             tensors["mask"] = mask
-        tensors = {name: t.detach().to("cpu", dtype).contiguous() for name, t in tensors.items()}
-        with atomic_path(self.path(key)) as tmp:
-            save_file(tensors, str(tmp), metadata={"format": str(CACHE_FORMAT), "vae": self.vae_id})
+        save_entry(self.path(key), tensors, dtype, {"format": CACHE_FORMAT, "vae": self.vae_id})
 
     def missing(self, keys: Iterable[LatentKey]) -> list[LatentKey]:
         return [key for key in keys if self.load(key) is None]

@@ -19,6 +19,7 @@ import socket
 import sys
 from pathlib import Path
 
+from .atomic import remove_dead_temps
 from .config import Config, ConfigError
 
 LOCK_NAME = ".trainer.lock"
@@ -84,8 +85,9 @@ def describe_holder(text: str) -> str:
 
 def remove_leftovers(config: Config) -> list[Path]:
     """Delete the temp files and folders of interrupted writes in the output folder (and beside a
-    state file kept elsewhere); only call this while holding the lock. Returns what was removed."""
-    removed = []
+    state file kept elsewhere); only call this while holding the lock. In the single file's folder,
+    which other runs share, only the temps whose writer is gone. Returns what was removed."""
+    removed = remove_dead_temps(config.checkpoint_path.parent)
     roots = [config.output_dir]
     if config.state_path.parent != config.output_dir:
         roots.append(config.state_path.parent)

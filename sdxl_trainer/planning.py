@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from .config import UNBUILT, Config, ConfigError, unbuilt_options
 
 if TYPE_CHECKING:
+    from .checkpointing import Resume, ResumeChoice
     from .data_plan import DatasetPlan
     from .eval_prompts import EvalPrompt
     from .latent_cache import LatentCache
@@ -26,7 +27,7 @@ class RunPlan:
     prompts: list[EvalPrompt]  # eval prompts (empty when eval is off)
     preflight: str  # the report printed at the start and logged to TensorBoard
     soft: dict[str, Any] = field(default_factory=dict)  # settings a resume may change (saved in every state)
-    resume: tuple[Path, dict[str, Any]] | None = None  # (folder with the weights, trainer state) to continue from
+    resume: Resume | None = None  # where a resumed run continues from
     command: list[str] = field(default_factory=list)  # the arguments of this run, for the resume hint
     memory: MemoryPlan | None = None  # the memory plan, when one was made (training.memory_check)
 
@@ -65,7 +66,7 @@ def check_folders(config: Config) -> None:
 
 def plan_run(config: Config) -> RunPlan:
     """The data plan, the step count, the eval prompts and the resume point, with the report."""
-    from .checkpointing import check_compatible, check_resume_weights, load_state, resolve_resume, soft_settings
+    from .checkpointing import choose_resume, soft_settings
     from .data_plan import EpochSettings, plan_dataset
     from .evaluator import eval_prompts
     from .lycoris_compat import lokr_load_warning
@@ -92,24 +93,46 @@ def plan_run(config: Config) -> RunPlan:
     if data_plan.validation and not (prompts and config.eval.live.enabled):
         preflight += "\n  note: the held-out images give val/loss only at live evals (eval.live.enabled)"
     soft = soft_settings(config, data_plan, total_steps)
-    resume = None
-    found = resolve_resume(config)
-    if found:
-        folder, state_path = found
-        state = load_state(state_path)
-        check_resume_weights(folder, config)
-        warnings = check_compatible(state, config, soft)
-        position = state["position"]
-        preflight += (f"\nresume: from {folder} at step {position['step']} (epoch {position['epoch']}, "
-                      f"batch {position['batches_in_epoch']} of it)")
-        preflight += "".join(f"\n  warning: {warning}" for warning in warnings)
-        resume = (folder, state)
-    elif config.training.resume_from == "latest":
-        preflight += f"\nresume: latest: no checkpoint in {config.output_dir / 'checkpoints'} yet; starting a new run"
+    choice = choose_resume(config, total_steps)
+    resume, said = adopt(choice, config, soft)
+    preflight += "".join(f"\n{line}" for line in said)
     if config.data.text_cache.enabled:  # a resumed run keeps its seed, and the shuffle variants drawn from it
-        seed = resume[1]["seed"] if resume else config.training.seed
+        seed = resume.snapshot.seed if resume else config.training.seed
         preflight += f"\ntext cache: {text_cache_status(config, data_plan, seed)}"
     return RunPlan(data_plan, total_steps, prompts, preflight, soft, resume)
+
+
+def adopt(choice: ResumeChoice, config: Config, soft: dict[str, Any]) -> tuple[Resume | None, list[str]]:
+    """The resume a choice makes, and the lines that say so (the state is read here when another
+    process chose); a run that differs in what the weights mean is a ConfigError."""
+    from .checkpointing import Resume, check_compatible, load_state
+
+    if choice.complete:
+        return None, [choice.complete]
+    passed_over = [f"  warning: {skipped}; it is passed over" for skipped in choice.skipped]
+    if choice.folder is None:
+        new_run = f"resume: latest: no checkpoint in {config.output_dir / 'checkpoints'} yet; starting a new run"
+        return None, passed_over + ([new_run] if config.training.resume_from == "latest" else [])
+    saved = choice.saved or load_state(choice.state_path)
+    warnings = check_compatible(saved, config, soft)
+    position = saved.snapshot.position
+    where = (f"resume: from {choice.folder} at step {position.step} (epoch {position.epoch}, "
+             f"batch {position.batches_in_epoch} of it)")
+    return Resume(choice.folder, saved.snapshot), [where, *passed_over, *(f"  warning: {w}" for w in warnings)]
+
+
+def settle_resume(plan: RunPlan, choice: ResumeChoice, config: Config) -> list[str]:
+    """Take the choice made under the output folder's lock where it differs from the pre-flight's
+    (another run saved or pruned checkpoints in between); the lines that say so. RunComplete when
+    that run has completed."""
+    from .checkpointing import RunComplete
+
+    if choice.complete:
+        raise RunComplete(choice.complete)
+    if choice.folder == (plan.resume.folder if plan.resume else None):
+        return []
+    plan.resume, said = adopt(choice, config, plan.soft)
+    return ["resume: the checkpoints changed since the pre-flight (another run on this folder?); now:", *said]
 
 
 def check_batches(config: Config, data_plan: DatasetPlan) -> None:

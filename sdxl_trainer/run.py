@@ -9,6 +9,7 @@ clip, NaN verdict, step) and `after_step` (EMA, logging, rank check, live eval);
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import os
 import secrets
@@ -129,7 +130,7 @@ def start_run(config: Config, plan: RunPlan, pipe: StableDiffusionXLPipeline | N
 
     accelerator = make_accelerator(config)
     lock = claim_output_folder(config, plan, accelerator)
-    state = plan.resume[1] if plan.resume else None
+    state = plan.resume.snapshot if plan.resume else None
     seed = choose_seed(config, state, accelerator)
     set_seed(seed)
     precision = plan_precision(config, accelerator.device.type)
@@ -155,7 +156,7 @@ def start_run(config: Config, plan: RunPlan, pipe: StableDiffusionXLPipeline | N
     text_encoders = [forward.get(name, stand_ins.loss.get(name, getattr(pipe, name))) for name in ENCODERS]
     training = config.training
     guard = NaNGuard(training.nan_policy if not training.detect_anomaly else "abort", training.max_nan_skips,
-                     precision.uses_grad_scaler, consecutive=state["nan_skips"] if state else 0)
+                     precision.uses_grad_scaler, consecutive=state.nan_skips if state else 0)
     run = Run(config, plan, accelerator, pipe, noise_scheduler, trainable, prepared,
               LossModels(pipe, unet, text_encoders), optimizer, lr_scheduler, scaler, precision.autocast(), guard, seed)
     if is_schedule_free(optimizer):
@@ -173,7 +174,7 @@ def start_run(config: Config, plan: RunPlan, pipe: StableDiffusionXLPipeline | N
         run.evaluator = make_evaluator(run, cache, stand_ins)
     run.lock, run.first_step, run.started, run.warmup_steps = lock, run.position.step, time.time(), warmup_steps
     if state:  # from here on every process draws what it would have drawn next
-        set_rng_state(state["rng"][accelerator.process_index % len(state["rng"])])
+        set_rng_state(state.rng[accelerator.process_index % len(state.rng)])
     run.stop, run.memory = StopRequest(), watch_memory(run)
     if plan.prompts and not state and config.eval.live.enabled and config.eval.live.at_start:
         live_eval(run, 0)  # the "before" picture
@@ -192,45 +193,58 @@ def watch_memory(run: Run) -> PeakWatch | None:
     return PeakWatch(run.device, [t for module in components for t in [*module.parameters(), *module.buffers()]])
 
 
-def choose_seed(config: Config, state: dict[str, Any] | None, accelerator: Accelerator) -> int:
+def choose_seed(config: Config, state: TrainerSnapshot | None, accelerator: Accelerator) -> int:
     """The configured seed, or one drawn at random and said; a resume keeps the interrupted run's
     seed (the data order and augmentation depend on it)."""
-    seed = state["seed"] if state else config.training.seed or secrets.randbelow(2**31 - 1) + 1
+    seed = state.seed if state else config.training.seed or secrets.randbelow(2**31 - 1) + 1
     accelerator.print(f"seed: {seed}"
                       + ("" if config.training.seed or state else " (drawn at random; set training.seed to repeat)"))
     return seed
 
 
 def claim_output_folder(config: Config, plan: RunPlan, accelerator: Accelerator) -> OutputLock | None:
-    """The main process locks the output folder, removes what interrupted writes left there and
-    prunes checkpoints beyond the limit (a kill between writing one and pruning leaves one too
-    many); a folder in use by another run stops every process with a ConfigError."""
+    """The main process locks the output folder, removes what interrupted writes left there, chooses
+    the checkpoint to resume from (under the lock: the pre-flight's may be gone since) and prunes
+    checkpoints beyond the limit (a kill between writing one and pruning leaves one too many); every
+    process then continues from that choice. A folder in use by another run stops every process
+    with a ConfigError, a completed run with RunComplete."""
     from accelerate.utils import broadcast_object_list
 
-    from .checkpointing import prune_checkpoints
+    from .checkpointing import choose_resume, prune_checkpoints
     from .config import ConfigError
     from .output_folder import OutputLock, remove_leftovers
+    from .planning import settle_resume
 
-    lock, refusal = None, None
+    lock, refusal, choice = None, None, None
     if accelerator.is_main_process:
         lock = OutputLock(config.output_dir)
         try:
             note = lock.acquire()
+            removed = remove_leftovers(config)
+            choice = choose_resume(config, plan.total_steps)
         except ConfigError as exc:
+            if lock.handle:
+                lock.release()
             lock, refusal = None, str(exc)
         else:
             if note:
                 print(f"note: {note}")
-            removed = remove_leftovers(config) + prune_checkpoints(
-                config.output_dir / "checkpoints", config.training.checkpoints_total_limit,
-                keep=plan.resume[0] if plan.resume else None)
+            removed += prune_checkpoints(config.output_dir / "checkpoints", config.training.checkpoints_total_limit,
+                                         keep=choice.folder)
             if removed:
                 print(f"cleaned up {len(removed)} leftover(s) of an interrupted run: "
                       + ", ".join(path.name for path in removed[:3]) + (" …" if len(removed) > 3 else ""))
-    if accelerator.num_processes > 1:
-        refusal = broadcast_object_list([refusal])[0]
+    if accelerator.num_processes > 1:  # the state stays behind: each process reads it from the file
+        refusal, choice = broadcast_object_list([refusal, choice and dataclasses.replace(choice, saved=None)])
     if refusal:
         raise ConfigError(refusal)
+    try:
+        for line in settle_resume(plan, choice, config):
+            accelerator.print(line)
+    except BaseException:
+        if lock:
+            lock.release()
+        raise
     return lock
 
 
@@ -263,7 +277,7 @@ def load_base_pipeline(config: Config, plan: RunPlan, accelerator: Accelerator) 
 
     with accelerator.local_main_process_first():
         if plan.resume and config.adapter.type == "none":  # a full fine-tune continues from its pipeline
-            return load_pipeline(config.model.model_copy(update={"id": str(plan.resume[0]), "vae": None}))
+            return load_pipeline(config.model.model_copy(update={"id": str(plan.resume.folder), "vae": None}))
         return load_pipeline(config.model)
 
 
@@ -284,7 +298,7 @@ def setup_models(config: Config, plan: RunPlan, precision: PrecisionPlan, accele
     from .training_setup import prepare_trainable
 
     device = accelerator.device
-    resume_folder = plan.resume[0] if plan.resume else None
+    resume_folder = plan.resume.folder if plan.resume else None
     place_pipeline(pipe, precision, device)
     accelerator.print(f"attention: {set_attention(pipe.unet, config.model.attention, device.type)}")
     noise_scheduler = make_noise_scheduler(
@@ -315,25 +329,25 @@ def setup_models(config: Config, plan: RunPlan, precision: PrecisionPlan, accele
     return noise_scheduler, cache, trainable
 
 
-def restore_training_state(run: Run, state: dict[str, Any]) -> None:
+def restore_training_state(run: Run, state: TrainerSnapshot) -> None:
     """Optimizer, LR schedule, grad scaler, data position and EMA of the run being resumed."""
     from .distributed import load_optimizer_state
     from .ema import EMA
     from .optimizers import apply_configured_settings
 
     configured = [dict(group) for group in run.optimizer.param_groups]
-    load_optimizer_state(run.accelerator, run.prepared[0], run.optimizer, state["optimizer"])
-    run.lr_scheduler.load_state_dict(state["lr_scheduler"])
+    load_optimizer_state(run.accelerator, run.prepared[0], run.optimizer, state.optimizer)
+    run.lr_scheduler.load_state_dict(state.lr_scheduler)
     for change in apply_configured_settings(run.optimizer, run.lr_scheduler, configured, run.config.optimizer,
                                             run.trainable.group_names):
         run.accelerator.print(f"resume: the config changes {change} (the config's value is used)")
-    run.scaler.load_state_dict(state["scaler"])
-    run.position = Position(**state["position"])
-    run.earlier_seconds = state.get("seconds", 0.0)  # absent in states written before it was saved
-    if state["ema"] is not None:
+    run.scaler.load_state_dict(state.scaler)
+    run.position = Position(**vars(state.position))
+    run.earlier_seconds = state.seconds
+    if state.ema is not None:
         model = run.config.model
         run.ema = EMA(list(run.trainable.named_parameters()), model.ema_decay, model.ema_device)
-        run.ema.load_state_dict(state["ema"])
+        run.ema.load_state_dict(state.ema)
 
 
 def open_data(run: Run, cache: LatentCache | None) -> None:

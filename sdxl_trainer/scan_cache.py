@@ -24,7 +24,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from .atomic import OutputWriteError, write_text
+from .atomic import OutputWriteError, remove_dead_temps, write_text
 from .images import ImageCheck, check_image
 
 FORMAT = "sdxl-trainer scan cache 1"
@@ -45,6 +45,8 @@ def inspect_images(paths: list[Path], max_pixels: int, cache_dir: Path | None, w
     with gc_paused():
         keys = [os.path.abspath(path) for path in paths]
         cache_file = cache_path(keys, cache_dir)
+        if cache_file:  # the temps of scans killed while saving
+            remove_dead_temps(cache_file.parent)
         known = load(cache_file) if cache_file else {}
         stamps = [_stamp(key) for key in keys]
         checks = [_hit(known.get(key), stamp) for key, stamp in zip(keys, stamps, strict=True)]

@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .atomic import atomic_path
-from .latent_cache import DTYPES, load_checked_entry
+from .latent_cache import DTYPES, load_checked_entry, save_entry
 from .latent_cache import vae_fingerprint as weights_fingerprint
 from .precision import ENCODERS, cached_encoders
 
@@ -79,12 +78,9 @@ class TextCache:
 
     def save(self, name: str, text: str, tensors: dict[str, torch.Tensor]) -> None:
         import torch
-        from safetensors.torch import save_file
 
-        dtype = getattr(torch, DTYPES[self.dtype])
-        tensors = {key: t.detach().to("cpu", dtype).contiguous() for key, t in tensors.items()}
-        with atomic_path(self.path(name, text)) as tmp:
-            save_file(tensors, str(tmp), metadata={"format": str(CACHE_FORMAT), "encoder": name})
+        save_entry(self.path(name, text), tensors, getattr(torch, DTYPES[self.dtype]),
+                   {"format": CACHE_FORMAT, "encoder": name})
 
     def missing(self, name: str, texts: Iterable[str]) -> list[str]:
         return [text for text in texts if self.load(name, text) is None]
@@ -131,10 +127,14 @@ class CachedEncoder:
 
 def build_text_cache(cache: TextCache, texts: list[str], pipe, device, autocast) -> tuple[int, int]:
     """Encode the (encoder, text) pairs missing from the cache, one text at a time as a frozen
-    encoder runs live (`frozen_encoder_outputs`), under the training's `autocast`. Returns (hits, built)."""
+    encoder runs live (`frozen_encoder_outputs`), under the training's `autocast`. Returns (hits, built).
+    First the temps of writers killed mid-entry go."""
     from tqdm.auto import tqdm
 
+    from .atomic import remove_dead_temps
     from .conditioning import frozen_encoder_outputs
+
+    remove_dead_temps(cache.cache_dir, depth=1)
 
     missing = [(name, text) for name in cache.encoders for text in cache.missing(name, texts)]
     for name, text in tqdm(missing, desc="caching text embeddings", disable=not missing):

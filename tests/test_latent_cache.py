@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import random
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -88,6 +90,30 @@ def test_a_damaged_entry_is_rebuilt(images: Path, tmp_path: Path, vae: Autoencod
     assert dataset.build_latent_cache(plan, config, cache, counting, "cpu") == (16, 2)
     assert counting.encoded == 2
     assert cache.load(views[0][1]) is not None and torch.isfinite(cache.load(views[1][1])["mean"]).all()
+
+
+def entry_bytes(plan, config: DataConfig, cache: LatentCache) -> dict:
+    return {key: cache.path(key).read_bytes() for _, key, _ in dataset.cache_views(plan, config)}
+
+
+def test_an_entry_depends_on_its_key_alone(images: Path, tmp_path: Path, vae: AutoencoderKL) -> None:
+    """Built in one go, one view at a time, in a shuffled order, or finished after a kill (every
+    other entry missing): the same bytes (batched encodes differed in the last bits)."""
+    config, plan, whole = setup(images, tmp_path / "whole", vae, random_flip=True)
+    dataset.build_latent_cache(plan, config, whole, vae, "cpu")
+    expected = entry_bytes(plan, config, whole)
+    assert len(expected) == 36
+    _, _, alone = setup(images, tmp_path / "alone", vae, random_flip=True)
+    for sample in plan.samples:
+        assert dataset.build_latent_cache(replace(plan, samples=[sample]), config, alone, vae, "cpu") == (0, 2)
+    _, _, shuffled = setup(images, tmp_path / "shuffled", vae, random_flip=True)
+    order = random.Random(3).sample(plan.samples, len(plan.samples))
+    dataset.build_latent_cache(replace(plan, samples=order), config, shuffled, vae, "cpu")
+    for path in sorted(tmp_path.glob("whole/*/*.safetensors"))[::2]:
+        path.unlink()
+    assert dataset.build_latent_cache(plan, config, whole, vae, "cpu") == (18, 18)
+    for cache in (alone, shuffled, whole):
+        assert entry_bytes(plan, config, cache) == expected
 
 
 def test_a_cached_latent_equals_a_fresh_encode(images: Path, tmp_path: Path, vae: AutoencoderKL) -> None:

@@ -11,6 +11,8 @@ import os
 import random
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,10 +21,12 @@ import torch
 from safetensors.torch import save_file
 
 import train_sdxl
+from sdxl_trainer.atomic import HOST, TEMP_NAME
 from sdxl_trainer.checkpointing import list_checkpoints, load_state, prune_checkpoints
 from sdxl_trainer.config import ConfigError, load_config
 from sdxl_trainer.output_folder import LEFTOVER, OutputLock, remove_leftovers
-from tests.helpers import DATA_DIR, run_cli, tiny_config, write_config
+from sdxl_trainer.planning import plan_run
+from tests.helpers import DATA_DIR, ROOT, run_cli, tiny_config, write_config
 from tests.test_preemptible import STEPS, Job
 from tests.test_resume import final_weights
 
@@ -63,6 +67,67 @@ def test_start_up_removes_only_the_leftovers_of_interrupted_writes(tmp_path: Pat
         path.write_text("x")
     assert sorted(remove_leftovers(config)) == sorted(stale_files + stale_folders)
     assert all(path.exists() for path in kept) and not leftovers(out)
+
+
+def start_writing(destination: Path, writers: list[subprocess.Popen]) -> tuple[subprocess.Popen, Path]:
+    """A process in the middle of an atomic write of `destination`, and its temp."""
+    code = ("import sys, time\nfrom sdxl_trainer.atomic import atomic_path\nwith atomic_path(sys.argv[1]) as tmp:\n"
+            "    tmp.write_bytes(b'part')\n    print(tmp, flush=True)\n    time.sleep(600)")
+    process = subprocess.Popen([sys.executable, "-c", code, str(destination)], stdout=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+    writers.append(process)
+    return process, Path(process.stdout.readline().strip())
+
+
+def test_a_start_removes_the_temps_of_dead_writers_in_the_caches_and_the_single_file_folder(
+        tmp_path: Path, tiny_sdxl_dir: Path) -> None:
+    """Caches and the single file's folder are shared between runs: a start removes the temps whose
+    writer was killed, and keeps those still being written, another machine's and unknown names."""
+    config = tiny_config(tmp_path, training={"num_steps": 1})
+    config["data"]["scan_cache_dir"] = str(tmp_path / "scan")
+    folders = [tmp_path / "latents" / "ab", tmp_path / "text" / "cd", tmp_path / "scan",
+               tmp_path / "out" / "safetensors"]
+    writers: list[subprocess.Popen] = []
+    try:
+        dead, kept = [], []
+        for folder in folders:
+            killed, temp = start_writing(folder / "entry.safetensors", writers)
+            killed.kill()
+            killed.wait()
+            dead.append(temp)
+            kept.append(start_writing(folder / "other.safetensors", writers)[1])
+            kept.append(temp.with_name(temp.name.replace(HOST, "0" * 8 if HOST != "0" * 8 else "1" * 8)))
+            kept.append(folder / ".entry.safetensors.k2j3h4g5.tmp")
+            for path in kept[-2:]:
+                path.write_bytes(b"part")
+        assert all(TEMP_NAME.match(path.name) for path in dead) and all(path.exists() for path in dead)
+        assert train_sdxl.main(["--config", str(write_config(tmp_path / "c.json", config))]) == 0
+        assert [path for path in dead if path.exists()] == []
+        assert [path for path in kept if not path.exists()] == []
+        assert list((tmp_path / "latents").glob("*/*.safetensors")) and list((tmp_path / "scan").glob("*.json"))
+    finally:
+        for process in writers:
+            process.kill()
+            process.wait()
+
+
+def test_the_checkpoint_is_chosen_once_the_lock_is_held(tmp_path: Path, tiny_sdxl_dir: Path,
+                                                       capsys: pytest.CaptureFixture) -> None:
+    """The pre-flight's choice is only shown: a checkpoint pruned before the lock is taken (another
+    run on the folder) no longer crashes the start, which resumes from what is there under the lock."""
+    path = write_config(tmp_path / "c.json", tiny_config(tmp_path, training={"num_steps": 6, "checkpoint_every": 2}))
+    assert train_sdxl.main(["--config", str(path)]) == 0
+    checkpoints = tmp_path / "out" / "test_run" / "checkpoints"
+    config = load_config(path, ["training.resume_from=latest", "training.num_steps=8"])
+    plan = plan_run(config)
+    assert plan.resume.folder == checkpoints / "checkpoint-4"
+    shutil.rmtree(checkpoints / "checkpoint-4")
+    capsys.readouterr()
+    assert train_sdxl.train(config, plan) == 0
+    out = capsys.readouterr().out
+    assert "resume: the checkpoints changed since the pre-flight (another run on this folder?); now:\n" \
+           f"resume: from {checkpoints / 'checkpoint-2'} at step 2" in out
+    assert json.loads((checkpoints.parent / "run_summary.json").read_text())["steps"] == 8
 
 
 def test_pruning_keeps_the_limit_and_never_the_checkpoint_being_resumed(tmp_path: Path) -> None:
@@ -143,14 +208,14 @@ def test_a_stop_during_the_final_save_checkpoints_and_the_resume_finishes_it(
     assert summary["status"] == "interrupted during the final save at step 4"
     checkpoint = out / "checkpoints" / "checkpoint-4"
     assert summary["checkpoints"] == [str(checkpoint)] and summary["seconds"] > 0
-    state = load_state(checkpoint / "trainer_state.pt")
-    assert state["position"]["step"] == 4 and 0 < state["seconds"] <= summary["seconds"]
+    state = load_state(checkpoint / "trainer_state.pt").snapshot
+    assert state.position.step == 4 and 0 < state.seconds <= summary["seconds"]
 
     monkeypatch.setattr(export, "export_after_training", real_export)
     assert train_sdxl.main(["--config", str(path), "--set", f"training.resume_from={checkpoint}"]) == 0
     closing = capsys.readouterr().out.strip().splitlines()[-1]
     assert closing.startswith("completed: 4 steps in ") and "(0 steps in " in closing and "since the resume" in closing
-    assert json.loads((out / "run_summary.json").read_text())["seconds"] >= state["seconds"]  # both sessions
+    assert json.loads((out / "run_summary.json").read_text())["seconds"] >= state.seconds  # both sessions
     expected, got = final_weights(tmp_path / "straight" / "out" / "test_run"), final_weights(out)
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
 
@@ -179,7 +244,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_earlier_checkpoint(
     assert line.startswith(f"error: cannot write {out / 'checkpoints' / 'checkpoint-4'}: the write failed (")
     assert "MiB free there); earlier checkpoints are intact" in line and "Traceback" not in err
     assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["checkpoint-2"]
-    assert load_state(out / "checkpoints" / "checkpoint-2" / "trainer_state.pt")["position"]["step"] == 2
+    assert load_state(out / "checkpoints" / "checkpoint-2" / "trainer_state.pt").snapshot.position.step == 2
     assert not leftovers(out)
     assert json.loads((out / "run_summary.json").read_text())["status"] == "failed: could not write the outputs"
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sdxl_trainer.checkpointing import load_state
+import train_sdxl
+from sdxl_trainer.checkpointing import Position, load_state
 from tests.helpers import ROOT, run_cli, tiny_config, write_config
 
 
@@ -44,7 +45,7 @@ def final_weights(output: Path) -> dict[str, torch.Tensor]:
 
 
 def optimizer_tensors(state_path: Path) -> dict[str, torch.Tensor]:
-    state = load_state(state_path)["optimizer"]["state"]
+    state = load_state(state_path).snapshot.optimizer["state"]
     return {f"{index}/{name}": value for index, entry in state.items() for name, value in entry.items()
             if isinstance(value, torch.Tensor)}
 
@@ -55,8 +56,8 @@ def test_stop_and_resume_gives_bit_identical_weights(tmp_path: Path, tiny_sdxl_d
     result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "straight.json", straight)))
     assert result.returncode == 0, result.stderr[-3000:]
     checkpoint = tmp_path / "straight" / "out" / "test_run" / "checkpoints" / "checkpoint-3"
-    position = load_state(checkpoint / "trainer_state.pt")["position"]
-    assert position == {"step": 3, "epoch": 0, "batches_in_epoch": 6}  # inside the first epoch of 9 batches
+    position = load_state(checkpoint / "trainer_state.pt").snapshot.position
+    assert position == Position(step=3, epoch=0, batches_in_epoch=6)  # inside the first epoch of 9 batches
 
     resumed = resumable_config(tmp_path / "resumed", adapter_type, resume_from=str(checkpoint))
     result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "resumed.json", resumed)))
@@ -94,7 +95,7 @@ def test_a_crash_while_writing_keeps_the_previous_checkpoint(tmp_path: Path, tin
         train_sdxl.main(["--config", str(path)])
     checkpoints = tmp_path / "out" / "test_run" / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["checkpoint-2"]  # no half-written checkpoint-4
-    assert load_state(checkpoints / "checkpoint-2" / "trainer_state.pt")["position"]["step"] == 2
+    assert load_state(checkpoints / "checkpoint-2" / "trainer_state.pt").snapshot.position.step == 2
 
     monkeypatch.setattr(outputs, "save_weights", real_save)
     assert train_sdxl.main(["--config", str(path), "--set", "training.resume_from=latest"]) == 0
@@ -120,7 +121,8 @@ def test_sigkill_at_any_moment_leaves_loadable_checkpoints(tmp_path: Path, tiny_
         process.send_signal(signal.SIGKILL)
         process.wait()
         for checkpoint in checkpoints.glob("checkpoint-*"):
-            assert load_state(checkpoint / "trainer_state.pt")["position"]["step"] == int(checkpoint.name.split("-")[1])
+            step = load_state(checkpoint / "trainer_state.pt").snapshot.position.step
+            assert step == int(checkpoint.name.split("-")[1])
             assert load_file(checkpoint / "pytorch_lora_weights.safetensors")
     latest = max(int(p.name.split("-")[1]) for p in checkpoints.glob("checkpoint-*"))
     result = run_cli("train_sdxl.py", "--config", str(path), "--set", "training.resume_from=latest",
@@ -189,10 +191,10 @@ def test_resume_refuses_another_rank_and_warns_about_another_length(tmp_path: Pa
                          "--set", "training.num_steps=8", "--set", f"run.name={name}")
         assert result.returncode == 0, result.stderr[-3000:]
         assert "total_steps changed: the run length changed: the LR schedule follows the new length" in result.stdout
-        longer.append(load_state(tmp_path / "out" / name / "trainer_state.pt"))
+        longer.append(load_state(tmp_path / "out" / name / "trainer_state.pt").snapshot)
     # Deterministically the new schedule: after 8 of 8 steps linear decay reaches min_factor 0.
-    assert longer[0]["lr_scheduler"]["_last_lr"] == [pytest.approx(0.0), pytest.approx(0.0)]
-    assert longer[0]["lr_scheduler"]["last_epoch"] == 8
+    assert longer[0].lr_scheduler["_last_lr"] == [pytest.approx(0.0), pytest.approx(0.0)]
+    assert longer[0].lr_scheduler["last_epoch"] == 8
     first = load_file(tmp_path / "out" / "longer" / "pytorch_lora_weights.safetensors")
     second = load_file(tmp_path / "out" / "again" / "pytorch_lora_weights.safetensors")
     assert all(torch.equal(first[key], second[key]) for key in first)
@@ -218,12 +220,65 @@ def test_a_changed_learning_rate_and_weight_decay_apply_on_resume(tmp_path: Path
     lowered = run("lowered", weight_decay=0.1, resume_from=checkpoint, lr_unet=2e-4)
     assert "resume: the config changes unet learning rate: 0.001 → 0.0002" in lowered.stdout
     assert "resume: the config changes unet weight_decay: 0.01 → 0.1" in lowered.stdout
-    state = load_state(tmp_path / "lowered" / "out" / "test_run" / "trainer_state.pt")
-    (group,) = state["optimizer"]["param_groups"]
+    state = load_state(tmp_path / "lowered" / "out" / "test_run" / "trainer_state.pt").snapshot
+    (group,) = state.optimizer["param_groups"]
     # After step 4 of 4 the linear decay is at its floor: the factor 0.5 times the new base rate.
     assert group["initial_lr"] == 2e-4 and group["lr"] == pytest.approx(1e-4) and group["weight_decay"] == 0.1
-    assert state["lr_scheduler"]["base_lrs"] == [2e-4]
+    assert state.lr_scheduler["base_lrs"] == [2e-4]
     straight = final_weights(tmp_path / "straight" / "out" / "test_run")
     same, low = (final_weights(tmp_path / name / "out" / "test_run") for name in ("unchanged", "lowered"))
     assert all(torch.equal(same[key], straight[key]) for key in same)
     assert [key for key in same if not torch.equal(same[key], low[key])]
+
+
+def finished_run(tmp_path: Path, **training) -> Path:
+    """A config resuming from `latest`, after a run of it that completed (checkpoints every 2 steps)."""
+    config = tiny_config(tmp_path, training={"checkpoint_every": 2, "resume_from": "latest", **training})
+    path = write_config(tmp_path / "c.json", config)
+    assert train_sdxl.main(["--config", str(path)]) == 0
+    return path
+
+
+def test_latest_on_a_completed_run_says_so_and_touches_nothing(tmp_path: Path, tiny_sdxl_dir: Path,
+                                                               capsys: pytest.CaptureFixture) -> None:
+    path = finished_run(tmp_path, num_steps=4)
+    files = [file for file in sorted(tmp_path.rglob("*")) if file.is_file()]
+    before = {file: (file.stat().st_mtime_ns, file.read_bytes()) for file in files}
+    assert any(file.name == "pytorch_lora_weights.safetensors" for file in files) and len(files) > 20
+    capsys.readouterr()
+    assert train_sdxl.main(["--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count(f"resume: latest: the run in {tmp_path / 'out' / 'test_run'} completed all 4 steps; "
+                     "nothing to do") == 1
+    assert "seed: " not in out  # stopped before loading anything
+    after = [file for file in sorted(tmp_path.rglob("*")) if file.is_file()]
+    assert after == files and {file: (file.stat().st_mtime_ns, file.read_bytes()) for file in after} == before
+
+
+def test_latest_passes_over_a_damaged_newest_checkpoint(tmp_path: Path, tiny_sdxl_dir: Path,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    path = finished_run(tmp_path, num_steps=6)
+    checkpoints = tmp_path / "out" / "test_run" / "checkpoints"
+    state, weights = checkpoints / "checkpoint-4" / "trainer_state.pt", checkpoints / "checkpoint-4" / (
+        "pytorch_lora_weights.safetensors")
+    intact = state.read_bytes()
+    state.write_bytes(intact[: len(intact) // 2])
+    longer = ["--config", str(path), "--set", "training.num_steps=8"]
+    capsys.readouterr()
+    assert train_sdxl.main([*longer, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"resume: from {checkpoints / 'checkpoint-2'} at step 2" in out
+    assert f"warning: checkpoint-4 is damaged ({state}: not a readable trainer state" in out
+    state.write_bytes(intact)
+    weights.write_bytes(weights.read_bytes()[:-100])
+    assert train_sdxl.main(longer) == 0
+    out = capsys.readouterr().out
+    assert f"resume: from {checkpoints / 'checkpoint-2'} at step 2" in out
+    assert f"warning: checkpoint-4 is damaged (training.resume_from: {weights}: truncated: " in out
+    assert json.loads((checkpoints.parent / "run_summary.json").read_text())["steps"] == 8
+    for checkpoint in checkpoints.iterdir():  # none intact: one line naming each, nothing started
+        (checkpoint / "trainer_state.pt").write_bytes(b"")
+    assert train_sdxl.main([*longer, "--set", "training.num_steps=10"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: training.resume_from = 'latest': no intact checkpoint: checkpoint-6 is damaged (")
+    assert "checkpoint-4 is damaged" in err and "checkpoint-2 is damaged" in err and len(err.splitlines()) == 1

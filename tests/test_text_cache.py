@@ -138,6 +138,22 @@ def test_entries_are_the_live_outputs_and_damaged_ones_are_rebuilt(tmp_path: Pat
     assert TextCache(tmp_path, specs, "bf16", "fp32").missing("text_encoder", texts) == texts
 
 
+def test_an_entry_depends_on_its_text_alone(tmp_path: Path, pipe) -> None:
+    """Built in one go, one text at a time, or in a shuffled order: the same bytes."""
+    specs = {name: encoder_spec(getattr(pipe, name.replace("text_encoder", "tokenizer")), getattr(pipe, name), name)
+             for name in ("text_encoder", "text_encoder_2")}
+    texts = sorted({path.read_text(encoding="utf-8").strip() for path in DATA_DIR.glob("*.txt")})
+    off = torch.autocast("cpu", enabled=False)
+    caches = [TextCache(tmp_path / name, specs, "fp32", "fp32") for name in ("whole", "alone", "shuffled")]
+    build_text_cache(caches[0], texts, pipe, "cpu", off)
+    for text in texts:
+        assert build_text_cache(caches[1], [text], pipe, "cpu", off) == (0, 2)
+    build_text_cache(caches[2], random.Random(5).sample(texts, len(texts)), pipe, "cpu", off)
+    entries = [{(name, text): cache.path(name, text).read_bytes() for name in specs for text in texts}
+               for cache in caches]
+    assert len(entries[0]) == 30 and entries[1] == entries[0] and entries[2] == entries[0]
+
+
 def _with_weights(module: torch.nn.Module, state: dict) -> torch.nn.Module:
     import copy
 
