@@ -75,6 +75,22 @@ def build_pipeline(smoke: bool, device):
     return StableDiffusionXLPipeline(**{**tiny.components, **sdxl_modules(device, tokenizer=tiny.tokenizer)})
 
 
+def step_config(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The benchmark's training config: bf16, 8-bit AdamW by default, checkpointing switched later."""
+    return {
+        "model": {"id": "builtin:tiny-sdxl", "train_text_encoder_1": args.text_encoder,
+                  "use_gradient_checkpointing": False, "attention": "sdpa"},
+        "adapter": {"type": mode, "rank": args.rank, "alpha": args.rank},
+        "run": {"name": "gpu_sdxl"},
+        "training": {"num_steps": 10**6, "mixed_precision": "bf16", "lr_unet": 1e-5, "seed": 1,
+                     "lr_text_encoder_1": 1e-5 if args.text_encoder else None,
+                     "tensorboard": {"enabled": False}},
+        "optimizer": {"type": args.optimizer},
+        "eval": {"live": {"enabled": False}, "final": {"enabled": False}},
+        "data": {"text_cache": {"enabled": False}},  # its own batches: both encoders run live, as before
+    }
+
+
 class TrainerStep:
     """The trainer's own step on a given pipeline: `start_run` sets it up (precision plan, casts,
     peft DoRA or unfrozen weights, optimizer, accelerate), and each call runs `forward_backward`
@@ -85,18 +101,7 @@ class TrainerStep:
         from sdxl_trainer.planning import RunPlan
         from sdxl_trainer.run import start_run
 
-        config = validate_config({
-            "model": {"id": "builtin:tiny-sdxl", "train_text_encoder_1": args.text_encoder,
-                      "use_gradient_checkpointing": False, "attention": "sdpa"},
-            "adapter": {"type": mode, "rank": args.rank, "alpha": args.rank},
-            "run": {"name": "gpu_sdxl"},
-            "training": {"num_steps": 10**6, "mixed_precision": "bf16", "lr_unet": 1e-5, "seed": 1,
-                         "lr_text_encoder_1": 1e-5 if args.text_encoder else None,
-                         "tensorboard": {"enabled": False}},
-            "optimizer": {"type": args.optimizer},
-            "eval": {"live": {"enabled": False}, "final": {"enabled": False}},
-            "data": {"text_cache": {"enabled": False}},  # its own batches: both encoders run live, as before
-        })
+        config = validate_config(step_config(mode, args))
         # No data plan: the benchmark feeds its own batches of latents.
         self.run = start_run(config, RunPlan(data=None, total_steps=10**6, prompts=[], preflight=""), pipe)
         self.run.progress.disable = True
@@ -111,16 +116,6 @@ class TrainerStep:
             else:
                 module.gradient_checkpointing_enable() if on else module.gradient_checkpointing_disable()
 
-    def batch(self, size: int, latent_side: int) -> dict[str, Any]:
-        """A batch as the data loader delivers it from the latent cache (on the CPU)."""
-        import torch
-
-        side = torch.tensor([[latent_side * 8, latent_side * 8]] * size)
-        return {"latents": torch.randn(size, 4, latent_side, latent_side), "captions": [CAPTION] * size,
-                "original_sizes": side, "crops_top_left": torch.zeros(size, 2, dtype=torch.long),
-                "target_sizes": side, "paths": [f"image_{i}.png" for i in range(size)],
-                "keys": [(i, 0) for i in range(size)]}
-
     def forward_backward(self, batch: dict[str, Any]):
         """The loss of one batch (its per-image draws, as in training) and its gradients."""
         from sdxl_trainer.run import forward_backward
@@ -134,6 +129,17 @@ class TrainerStep:
         result = optimizer_step(self.run, self.forward_backward(batch))
         if result.verdict != OK:
             raise RuntimeError(f"non-finite loss or gradients at step {self.run.position.step + 1}")
+
+
+def latent_batch(size: int, latent_side: int) -> dict[str, Any]:
+    """A batch as the data loader delivers it from the latent cache (on the CPU)."""
+    import torch
+
+    side = torch.tensor([[latent_side * 8, latent_side * 8]] * size)
+    return {"latents": torch.randn(size, 4, latent_side, latent_side), "captions": [CAPTION] * size,
+            "original_sizes": side, "crops_top_left": torch.zeros(size, 2, dtype=torch.long),
+            "target_sizes": side, "paths": [f"image_{i}.png" for i in range(size)],
+            "keys": [(i, 0) for i in range(size)]}
 
 
 def count_flops(step: TrainerStep, batch: dict[str, Any]) -> float:
@@ -193,7 +199,7 @@ def run_mode(mode: str, args: argparse.Namespace, device, peak: float | None) ->
                                    "it_per_s": None, "images_per_s": None, "peak_memory_GB": None,
                                    "peak_reserved_GB": None,
                                    "TFLOP_per_step": None, "achieved_TFLOPS": None, "MFU_percent": None, "status": "ok"}
-            batch = step.batch(size, latent_side)
+            batch = latent_batch(size, latent_side)
             try:
                 measured = measure(step, batch, args.warmup, args.steps)
                 if size not in flops:  # model FLOPs: counted without recomputation when that fits

@@ -115,17 +115,23 @@ class DeviceRules(TorchFunctionMode):
     meta tensors. The autocast region is torch's own (`torch.autocast("cpu")`, which meta tensors
     ignore): its state is read here, and gradient checkpointing restores it for the recompute."""
 
-    LOWER: ClassVar = {F.linear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose2d, torch.matmul, torch.Tensor.matmul,
-             torch.Tensor.__matmul__, torch.bmm, torch.baddbmm, torch.mm, torch.addmm, torch.einsum, F.prelu}
-    CUDA_FP32: ClassVar = {F.group_norm, F.layer_norm, F.softmax, F.log_softmax, torch.softmax, torch.Tensor.softmax}
+    LOWER: ClassVar = frozenset({
+        F.linear, F.conv1d, F.conv2d, F.conv3d, F.conv_transpose2d, torch.matmul, torch.Tensor.matmul,
+        torch.Tensor.__matmul__, torch.bmm, torch.baddbmm, torch.mm, torch.addmm, torch.einsum, F.prelu})
+    CUDA_FP32: ClassVar = frozenset({F.group_norm, F.layer_norm, F.softmax, F.log_softmax, torch.softmax,
+                                     torch.Tensor.softmax})
 
     def __init__(self, device: str) -> None:
         super().__init__()
         self.device = device
         self.cast_weights: dict[int, torch.Tensor] = {}  # autocast's cache: trained weights cast once per region
+        self.handled = self.LOWER | {torch.Tensor.backward, F.scaled_dot_product_attention} | (
+            self.CUDA_FP32 if device == "cuda" else frozenset())
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func not in self.handled:  # most calls: shape reads, views, elementwise ops
+            return func(*args, **kwargs)
         if func is torch.Tensor.backward:  # the mode stays active for the backward pass and its recomputes
             self.cast_weights.clear()
             tensor, *rest = args
@@ -137,7 +143,7 @@ class DeviceRules(TorchFunctionMode):
             self.cast_weights.clear()
         elif func in self.LOWER:
             args, kwargs = self._cast((args, kwargs), torch.get_autocast_dtype("cpu"))
-        elif self.device == "cuda" and func in self.CUDA_FP32:
+        elif func in self.CUDA_FP32:
             args, kwargs = self._cast((args, kwargs), torch.float32)
         if func is F.scaled_dot_product_attention:
             return self._attention(*args, **kwargs)

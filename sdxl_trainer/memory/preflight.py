@@ -18,7 +18,11 @@ if TYPE_CHECKING:
     from ..planning import RunPlan
 
 PLAN_FORMAT = 1  # bump when the planner counts differently: cached plans are then made again
-GB = 1e9
+
+
+def size(count: int) -> str:
+    """Bytes as GB (or MB below one GB: the tiny model's plans are a few tens of MB)."""
+    return f"{count / 1e9:.2f} GB" if abs(count) >= 1e9 else f"{count / 1e6:.1f} MB"
 
 
 @dataclass
@@ -73,40 +77,40 @@ def memory_preflight(config: Config, plan: RunPlan, dry_run: bool) -> tuple[Memo
     free = free_memory(device)
     if free is not None and memory.peak > free:
         remedies = ways_to_fit(config, shape, device, memory)
-        message = (f"the planned peak of {memory.peak / GB:.2f} GB does not fit the {free / GB:.2f} GB free on "
-                   f"this {device} device" + "".join(
-                       f"\n    - {remedy.what}: saves {(memory.peak - remedy.peak) / GB:.2f} GB "
-                       f"(peak {remedy.peak / GB:.2f} GB)" for remedy in remedies))
+        message = (f"the planned peak of {size(memory.peak)} does not fit the {size(free)} free on this {device} "
+                   "device; what would make it fit:" + "".join(
+                       f"\n    - {remedy.what}: saves {size(memory.peak - remedy.peak)} (peak {size(remedy.peak)})"
+                       for remedy in remedies))
         if check == "refuse":
             raise ConfigError(f"training.memory_check: {message}")
         lines.append(f"  warning: {message}")
     elif free is not None:
-        lines.append(f"  fits: {free / GB:.2f} GB free on this {device} device")
+        lines.append(f"  fits: {size(free)} free on this {device} device")
     return memory, "\n".join(lines)
 
 
 def describe(memory: MemoryPlan, config: Config) -> str:
     """The plan in a few lines: the peak and where it is reached, then what holds the memory."""
     shape = memory.shape
-    weights = ", ".join(f"{name} {sum(by_dtype.values()) / GB:.2f} GB "
+    weights = ", ".join(f"{name} {size(sum(by_dtype.values()))} "
                         f"{'/'.join(dtype for dtype in by_dtype if dtype != 'int64')}"
                         for name, by_dtype in memory.weights.items())
     lines = [f"memory plan ({memory.device}; batch {shape.batch} at {shape.width}x{shape.height}; shapes from "
-             f"{memory.source}): peak {memory.peak / GB:.2f} GB in {memory.peak_step}",
-             f"  weights {memory.weight_bytes / GB:.2f} GB ({weights})"]
+             f"{memory.source}): peak {size(memory.peak)} in {memory.peak_step}",
+             f"  weights {size(memory.weight_bytes)} ({weights})"]
     if memory.off_device:
         lines.append("  off the device during steps (text cache): " + ", ".join(
-            f"{name} {size / GB:.2f} GB" for name, size in memory.off_device.items()))
+            f"{name} {size(count)}" for name, count in memory.off_device.items()))
     checkpointing = "on" if config.model.use_gradient_checkpointing else "off"
-    lines.append(f"  trained {memory.trained / GB:.2f} GB, gradients {memory.gradients / GB:.2f} GB, optimizer "
-                 f"state {memory.optimizer_state / GB:.2f} GB ({config.optimizer.type}), EMA {memory.ema / GB:.2f} GB")
-    lines.append(f"  activations and temporaries at the training peak {memory.activations / GB:.2f} GB "
+    lines.append(f"  trained {size(memory.trained)}, gradients {size(memory.gradients)}, optimizer "
+                 f"state {size(memory.optimizer_state)} ({config.optimizer.type}), EMA {size(memory.ema)}")
+    lines.append(f"  activations and temporaries at the training peak {size(memory.activations)} "
                  f"(gradient checkpointing {checkpointing})")
     if shape.eval_size:
-        lines.append(f"  eval peak {memory.eval_peak / GB:.2f} GB (UNet on the CFG batch at "
+        lines.append(f"  eval peak {size(memory.eval_peak)} (UNet on the CFG batch at "
                      f"{shape.eval_size[1]}x{shape.eval_size[0]}, fp32 VAE decode)")
     if memory.workspace:
-        lines.append(f"  cuBLAS workspaces {memory.workspace / GB:.2f} GB; the CUDA context (about 0.5 GB) is "
+        lines.append(f"  cuBLAS workspaces {size(memory.workspace)}; the CUDA context (about 0.5 GB) is "
                      "outside torch's allocator and not in the plan")
     return "\n".join(lines)
 

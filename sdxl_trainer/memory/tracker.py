@@ -43,7 +43,12 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.track(tree_leaves(out))
+        if isinstance(out, torch.Tensor):  # most operators: one tensor, no tree to walk
+            if out.device.type == self.device_type:
+                self._count(out.untyped_storage())
+                self.peak = max(self.peak, self.current)
+        else:
+            self.track(tree_leaves(out))
         return out
 
     def _bytes(self, storage: torch.UntypedStorage) -> int:

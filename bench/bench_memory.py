@@ -1,0 +1,221 @@
+"""The memory plan against what runs measure, and the plan of the configurations other trainers
+publish figures for.
+
+    python bench/bench_memory.py                 # every section below (about an hour on 2 cores)
+    python bench/bench_memory.py --sections tiny gpu
+    python bench/bench_memory.py --smoke         # one tiny run: checks the code path
+
+Sections (each a results file):
+- `memory_tiny`: real runs of the built-in tiny model on the CPU (`train_sdxl.py`, 3 steps, memory_check
+  "warn"): the planned peak against the tracked tensor peak, DoRA/LoRA/full, with and without
+  gradient checkpointing and EMA.
+- `memory_full_cpu`: full-size SDXL with random weights (bench/sdxl_arch.py) at 128², fp32, on the
+  CPU: DoRA rank 16 and LoRA rank 16, the trainer's own steps (`start_run`, `forward_backward`,
+  `optimizer_step`), planned against tracked.
+- `memory_gpu`: the rows of bench/results/gpu_sdxl.json (measured on a GPU with
+  `torch.cuda.max_memory_allocated`) against their CUDA plans, made here.
+- `memory_anchors`: CUDA plans at 1024² for the configurations kohya sd-scripts, OneTrainer and
+  the diffusers example publish memory figures for, and for this trainer's own recommendations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import RESULTS, ROOT, bench_args, quiet_env, write_results
+
+SDXL = "stabilityai/stable-diffusion-xl-base-1.0"  # not downloaded: planned with SDXL base 1.0's shapes
+SECTIONS = ("tiny", "full_cpu", "gpu", "anchors")
+TINY_CASES = {
+    "DoRA rank 4 (quickstart)": {},
+    "DoRA, gradient checkpointing": {"model": {"use_gradient_checkpointing": True}},
+    "DoRA, EMA": {"model": {"use_ema": True, "ema_device": "same"}},
+    "LoRA rank 8": {"adapter": {"type": "lora", "rank": 8, "alpha": 8}},
+    "LoRA rank 8, gradient checkpointing": {"adapter": {"type": "lora", "rank": 8, "alpha": 8},
+                                            "model": {"use_gradient_checkpointing": True}},
+    "full fine-tune": {"adapter": {"type": "none"}, "model": {"train_text_encoder_1": False},
+                       "training": {"lr_text_encoder_1": None}},
+    "full fine-tune, gradient checkpointing, EMA": {
+        "adapter": {"type": "none"}, "model": {"train_text_encoder_1": False, "use_gradient_checkpointing": True,
+                                               "use_ema": True, "ema_device": "same"},
+        "training": {"lr_text_encoder_1": None}},
+}
+
+
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+
+
+def tiny_rows(smoke: bool) -> list[dict[str, Any]]:
+    """Real CPU runs of the quickstart config with each change, planned and measured."""
+    import subprocess
+
+    rows = []
+    for name, changes in list(TINY_CASES.items())[:1 if smoke else None]:
+        with tempfile.TemporaryDirectory() as folder:
+            config = json.loads((ROOT / "configs" / "quickstart.json").read_text())
+            for section, values in changes.items():
+                config[section].update(values)
+            config["run"]["output_root"] = folder
+            config["training"].update(num_steps=3, log_every=1, memory_check="warn")
+            config["training"]["tensorboard"]["base_dir"] = f"{folder}/tb"
+            config["eval"] = {"live": {"enabled": False}, "final": {"enabled": False}}
+            config["data"]["image_dir"] = str(ROOT / "data" / "images")
+            for cache in ("latent_cache", "text_cache"):
+                config["data"].setdefault(cache, {})["cache_dir"] = f"{folder}/{cache}"
+            path = Path(folder) / "config.json"
+            path.write_text(json.dumps(config))
+            subprocess.run([sys.executable, str(ROOT / "train_sdxl.py"), "--config", str(path)], check=True,
+                           env=quiet_env(), capture_output=True)
+            memory = json.loads((Path(folder) / "quickstart" / "run_summary.json").read_text())["memory"]
+        rows.append({"run": name, "planned_MB": memory["planned_peak_bytes"] / 1e6,
+                     "measured_MB": memory["measured_peak_bytes"] / 1e6,
+                     "measured_over_planned": memory["measured_over_planned"]})
+    return rows
+
+
+def full_cpu_rows() -> list[dict[str, Any]]:
+    """Full-size SDXL, fp32, 128², on the CPU: two trainer steps per adapter, tracked and planned."""
+    import torch
+
+    from bench.gpu_sdxl import build_pipeline, latent_batch
+    from sdxl_trainer.config import validate_config
+    from sdxl_trainer.memory.plan import StepShape, plan_memory
+    from sdxl_trainer.planning import RunPlan
+    from sdxl_trainer.run import forward_backward, optimizer_step, start_run
+
+    torch.set_num_threads(2)
+    rows = []
+    for adapter in ("dora", "lora"):
+        config = {"model": {"id": "builtin:tiny-sdxl", "train_text_encoder_1": False, "attention": "sdpa"},
+                  "adapter": {"type": adapter, "rank": 16, "alpha": 16}, "run": {"name": "memory"},
+                  "training": {"num_steps": 10, "lr_unet": 1e-5, "seed": 1, "tensorboard": {"enabled": False}},
+                  "optimizer": {"type": "adamw"}, "eval": {"live": {"enabled": False}, "final": {"enabled": False}},
+                  "data": {"text_cache": {"enabled": False}}}
+        start = time.perf_counter()
+        planned = plan_memory(validate_config({**config, "model": {**config["model"], "id": SDXL}}),
+                              StepShape(1, 128, 128), "cpu")
+        plan_seconds = time.perf_counter() - start
+        with tempfile.TemporaryDirectory() as folder:
+            config["run"]["output_root"] = folder
+            run = start_run(validate_config(config), RunPlan(None, 10, [], "", memory=planned),
+                            build_pipeline(False, torch.device("cpu")))
+            run.progress.disable = True
+            for _ in range(2):
+                optimizer_step(run, forward_backward(run, latent_batch(1, 16)))
+            run.memory.stop()
+            measured = run.memory.run_peak
+            del run
+            gc.collect()
+        rows.append({"run": f"{adapter.upper()} rank 16, SDXL, fp32, 128², batch 1",
+                     "planned_GB": planned.peak / 1e9, "measured_GB": measured / 1e9,
+                     "measured_over_planned": measured / planned.peak, "plan_seconds": plan_seconds})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def gpu_rows() -> list[dict[str, Any]]:
+    """bench/results/gpu_sdxl.json's measured peaks against their CUDA plans."""
+    from bench.gpu_sdxl import step_config
+    from sdxl_trainer.config import validate_config
+    from sdxl_trainer.memory.plan import StepShape
+    from sdxl_trainer.memory.preflight import cached_plan
+
+    measured = json.loads((RESULTS / "gpu_sdxl.json").read_text())
+    rows = []
+    for row in measured["rows"]:
+        if row["peak_memory_GB"] is None:
+            continue
+        mode, rank = ("dora", int(row["mode"].split()[-1])) if row["mode"].startswith("DoRA") else ("none", 4)
+        settings = argparse.Namespace(text_encoder=False, rank=rank, optimizer="adamw8bit")
+        config = step_config(mode, settings)
+        config["model"].update(id=SDXL, use_gradient_checkpointing=row["grad_ckpt"] == "on")
+        start = time.perf_counter()
+        plan = cached_plan(validate_config(config), StepShape(row["batch"], 1024, 1024), "cuda")
+        rows.append({"run": f"{row['mode']}, batch {row['batch']}, checkpointing {row['grad_ckpt']}",
+                     "planned_GB": plan.peak / 1e9, "measured_GB": row["peak_memory_GB"],
+                     "measured_over_planned": row["peak_memory_GB"] * 1e9 / plan.peak,
+                     "plan_seconds": time.perf_counter() - start})
+        print(rows[-1], flush=True)
+    return rows
+
+
+# What other trainers publish, and the settings of ours that express the same recipe (1024², batch 1).
+ANCHORS = (
+    ("kohya sd-scripts: LoRA dim 8, UNet only, cached latents and text, 8-bit AdamW, checkpointing", "8 GB",
+     {"adapter": {"type": "lora", "rank": 8, "alpha": 8}, "optimizer": {"type": "adamw8bit"}}),
+    ("kohya sd-scripts: full fine-tune, Adafactor, bf16 weights, checkpointing", "24 GB",
+     {"adapter": {"type": "none"}, "optimizer": {"type": "adafactor"}, "model": {"weights_dtype": "bf16"}}),
+    ("OneTrainer SDXL LoRA preset (rank 16, 8-bit AdamW, checkpointing)", "about 8 GB",
+     {"adapter": {"type": "lora", "rank": 16, "alpha": 16}, "optimizer": {"type": "adamw8bit"}}),
+    ("diffusers train_text_to_image_lora_sdxl.py (rank 4 attention, fp16, AdamW, no checkpointing, no text cache)",
+     "under 16 GB",
+     {"adapter": {"type": "lora", "rank": 4, "alpha": 4, "targets": "attn"}, "optimizer": {"type": "adamw"},
+      "training": {"mixed_precision": "fp16"}, "model": {"use_gradient_checkpointing": False},
+      "data": {"text_cache": {"enabled": False}}}),
+    ("this trainer: DoRA rank 16, CLIP-L trained, 8-bit AdamW, checkpointing", "",
+     {"adapter": {"type": "dora", "rank": 16, "alpha": 16}, "model": {"train_text_encoder_1": True},
+      "training": {"lr_text_encoder_1": 5e-5}}),
+    ("this trainer: DoRA rank 32, CLIP-L trained, 8-bit AdamW, checkpointing", "",
+     {"adapter": {"type": "dora", "rank": 32, "alpha": 32}, "model": {"train_text_encoder_1": True},
+      "training": {"lr_text_encoder_1": 5e-5}}),
+    ("this trainer: full fine-tune, fp32 master weights, 8-bit AdamW, checkpointing", "",
+     {"adapter": {"type": "none"}}),
+)
+
+
+def anchor_rows() -> list[dict[str, Any]]:
+    """CUDA plans for the recipes in ANCHORS, at 1024², batch 1, bf16 unless the recipe says."""
+    from sdxl_trainer.config import validate_config
+    from sdxl_trainer.memory.plan import StepShape
+    from sdxl_trainer.memory.preflight import cached_plan
+
+    rows = []
+    for name, published, changes in ANCHORS:
+        config = {"model": {"id": SDXL, "train_text_encoder_1": False, "use_gradient_checkpointing": True},
+                  "adapter": {"type": "lora"}, "optimizer": {"type": "adamw8bit"},
+                  "training": {"num_steps": 1, "mixed_precision": "bf16", "lr_unet": 1e-4},
+                  "data": {"text_cache": {"enabled": True}}}
+        for section, values in changes.items():
+            config.setdefault(section, {}).update(values)
+        start = time.perf_counter()
+        plan = cached_plan(validate_config(config), StepShape(1, 1024, 1024), "cuda")
+        rows.append({"recipe": name, "published": published, "planned_GB": plan.peak / 1e9,
+                     "weights_GB": plan.weight_bytes / 1e9, "activations_GB": plan.activations / 1e9,
+                     "plan_seconds": time.perf_counter() - start})
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = bench_args(__doc__.splitlines()[0], argv, options)
+    if args.smoke:
+        write_results("memory_smoke", tiny_rows(smoke=True), "one tiny run (smoke test)", args.results_dir)
+        return 0
+    notes = {
+        "tiny": "The built-in tiny model on the CPU, 3 steps of the quickstart config (batch 2, 96x64) with each "
+                "change; planned: the pre-flight's plan; measured: the tensor bytes tracked during the run.",
+        "full_cpu": "Full-size SDXL (random weights), fp32, one 128x128 image, both text encoders live, AdamW; two "
+                    "trainer steps on the CPU; plan_seconds: the plan's time on this CPU.",
+        "gpu": "Measured: torch.cuda.max_memory_allocated on an H200 (bench/results/gpu_sdxl.json); planned: the "
+               "CUDA plan of the same configuration made on this CPU; plan_seconds: 0 when read from the plan cache.",
+        "anchors": "CUDA plans, 1024x1024, batch 1, bf16 autocast, the text cache on (bigG off the GPU during steps) "
+                   "unless the recipe says otherwise; published: the figure the other project gives.",
+    }
+    builders = {"tiny": lambda: tiny_rows(False), "full_cpu": full_cpu_rows, "gpu": gpu_rows, "anchors": anchor_rows}
+    for section in args.sections:
+        write_results(f"memory_{section}", builders[section](), notes[section], args.results_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""The memory plan (sdxl_trainer/memory/): its counter, its device rules, the plan against the
+tracked peak of real runs on the CPU, and the pre-flight's answer when a run does not fit."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import train_sdxl
+from sdxl_trainer.config import validate_config
+from sdxl_trainer.memory.plan import DeviceRules
+from sdxl_trainer.memory.tracker import LiveBytes
+from tests.helpers import run_cli, tiny_config, write_config
+
+
+def mlp_steps(device: str) -> tuple[int, int]:
+    """Two AdamW steps of a small MLP, counted by LiveBytes: (bytes alive after, peak)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters())
+    live = LiveBytes(device)
+    live.track(model.parameters())
+    with live:
+        for _ in range(2):
+            model(torch.ones(32, 64, device=device)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    return live.current, live.peak
+
+
+def test_the_counter_counts_a_traced_step_as_the_real_one():
+    """The plan's premise: the same step on meta tensors (no memory) and on real CPU tensors is
+    counted alike, byte for byte; and the numbers are the step's own (weights, Adam's two moments)."""
+    real, meta = mlp_steps("cpu"), mlp_steps("meta")
+    steps = 4 * 4  # AdamW's step counters: a CPU scalar per parameter whatever the device (as on CUDA)
+    assert (real[0] - steps, real[1] - steps) == meta
+    weights = (64 * 256 + 256 + 256 * 64 + 64) * 4
+    assert meta[0] == 3 * weights  # after the steps: weights and AdamW's exp_avg and exp_avg_sq
+    assert meta[1] > 4 * weights  # during the second backward: gradients and activations on top
+
+
+def test_cuda_rules_run_norms_in_fp32_and_attention_without_its_score_matrix():
+    """On meta tensors inside a CPU autocast region: CUDA's autocast gives GroupNorm fp32 outputs
+    where the CPU's keeps bf16, and attention is counted as the fused kernel allocates it."""
+    x = torch.empty(2, 32, 8, 8, device="meta")
+    conv = torch.nn.Conv2d(32, 32, 3, padding=1, device="meta")
+    norm = torch.nn.GroupNorm(8, 32, device="meta")
+    dtypes = {}
+    for device in ("cpu", "cuda"):
+        with DeviceRules(device), torch.autocast("cpu", dtype=torch.bfloat16):
+            dtypes[device] = (conv(x).dtype, norm(conv(x)).dtype)
+    assert dtypes == {"cpu": (torch.bfloat16, torch.bfloat16), "cuda": (torch.bfloat16, torch.float32)}
+
+    tokens = 1024
+    query = torch.empty(1, 4, tokens, 64, device="meta", dtype=torch.bfloat16)
+    for device in ("cuda", "cpu"):
+        live = LiveBytes("meta")
+        with live, DeviceRules(device):
+            torch.nn.functional.scaled_dot_product_attention(query, query, query)
+        assert live.peak < tokens * tokens * 4 * 2  # one head's score matrix would not fit under it
+
+
+@pytest.fixture(scope="module")
+def plan_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("plans")
+
+
+CASES = {
+    "dora_ema_checkpointing": {"model": {"use_gradient_checkpointing": True, "use_ema": True}},
+    "lora": {"adapter": {"type": "lora", "rank": 8, "alpha": 8}},
+    "full": {"adapter": {"type": "none"}, "model": {"train_text_encoder_1": False},
+             "training": {"lr_text_encoder_1": None, "lr_unet": 1e-5}},
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_the_plan_matches_the_tracked_peak_of_a_real_run(case, tmp_path, tiny_sdxl_dir):
+    """A real run on the CPU with training.memory_check "warn" measures its tensor peak as the plan
+    counts it; they agree within 5 % (the issue's bar), and the peak is logged beside the plan."""
+    sections = {key: dict(value) for key, value in CASES[case].items()}
+    config = tiny_config(tmp_path, **sections)
+    config["training"].update(memory_check="warn", log_every=1, num_steps=3)
+    config.setdefault("model", {}).update(CASES[case].get("model", {}))
+    config["eval"] = {"live": {"enabled": False}, "final": {"enabled": False}}
+    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "c.json", config)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "memory plan (cpu; batch 2" in result.stdout
+    output = tmp_path / "out" / "test_run"
+    memory = json.loads((output / "run_summary.json").read_text())["memory"]
+    assert memory["measured"] == "tensor bytes tracked"
+    assert 0.95 <= memory["measured_over_planned"] <= 1.05, memory
+    events = EventAccumulator(str(next((tmp_path / "tb").rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    logged = [event.value for event in events.Scalars("memory/tracked_GB")]
+    planned = events.Scalars("memory/planned_GB")[0].value
+    assert len(logged) == 3 and max(logged) == pytest.approx(memory["measured_peak_bytes"] / 1e9, rel=1e-6)
+    assert planned == pytest.approx(memory["planned_peak_bytes"] / 1e9, rel=1e-6)
+
+
+def test_a_run_that_does_not_fit_is_refused_with_what_would_make_it_fit(tmp_path, monkeypatch, capsys,
+                                                                        tiny_sdxl_dir):
+    """`refuse` stops before any weight is loaded (exit 2) and lists the changes that fit, each
+    with the saving a new plan computed for it, most saving first; `warn` says the same and goes on."""
+    import sdxl_trainer.memory.preflight as preflight
+
+    config = tiny_config(tmp_path, model={"use_gradient_checkpointing": False})
+    config["training"]["memory_check"] = "refuse"
+    path = write_config(tmp_path / "c.json", config)
+    monkeypatch.setattr(preflight, "free_memory", lambda device: 1_000_000)  # a 1 MB device
+    code = train_sdxl.main(["--config", str(path), "--dry-run"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "training.memory_check: the planned peak of" in err and "does not fit the 1.0 MB free" in err
+    remedies = [line.strip() for line in err.splitlines() if line.strip().startswith("- ")]
+    savings = [float(line.split("saves ")[1].split(" MB")[0]) for line in remedies]
+    assert any("gradient checkpointing" in line for line in remedies)
+    assert any("batch 1 with 2x gradient accumulation" in line for line in remedies)
+    assert savings == sorted(savings, reverse=True) and all(saving > 0 for saving in savings)
+
+    config["training"]["memory_check"] = "warn"
+    code = train_sdxl.main(["--config", str(write_config(tmp_path / "w.json", config)), "--dry-run"])
+    out = capsys.readouterr().out
+    assert code == 0 and "  warning: the planned peak of" in out
+
+
+def test_a_plan_that_cannot_be_made_is_skipped_in_one_line(tmp_path, tiny_sdxl_dir):
+    """A model whose config files cannot be read: the plan says why, the run is unaffected."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_sdxl_dir, folder)
+    (folder / "unet" / "config.json").write_text("{not json", encoding="utf-8")
+    config = tiny_config(tmp_path, model={"id": str(folder)})
+    config["training"]["memory_check"] = "warn"
+    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "c.json", config)), "--dry-run")
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("memory plan")]
+    assert lines == [f"memory plan: skipped (cannot read {folder / 'unet' / 'config.json'}: "
+                     "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)); "
+                     "the run itself is unaffected"]
+
+
+def test_a_model_without_its_config_files_is_planned_with_sdxl_base_shapes(tmp_path):
+    """A hub model that is not downloaded, or a single file: SDXL base 1.0's shapes (every SDXL
+    checkpoint shares them), said in the plan; a downloaded one's own config files otherwise."""
+    from sdxl_trainer.memory.architecture import component_configs
+    from sdxl_trainer.sdxl_base import UNET
+
+    single = tmp_path / "model.safetensors"
+    single.write_bytes(b"")
+    for model_id, source in (("nobody/not-downloaded", "is not in the local Hugging Face cache"),
+                             (str(single), "(a single file)")):
+        config = validate_config({"model": {"id": model_id}, "training": {"num_steps": 1, "lr_text_encoder_1": 1e-5},
+                                  "data": {"image_dir": "."}})
+        configs, where = component_configs(config.model)
+        assert where.startswith("SDXL base 1.0's shapes") and source in where
+        assert configs["unet"]["transformer_layers_per_block"] == UNET["transformer_layers_per_block"] == (1, 2, 10)
+        assert configs["text_encoder_2"]["num_hidden_layers"] == 32
