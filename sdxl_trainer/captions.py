@@ -9,7 +9,7 @@ import random
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from .config import ConfigError, FolderOptions
+from .config import ConfigError, FolderOptions, not_utf8
 
 METADATA_FILE = "metadata.jsonl"
 
@@ -30,12 +30,14 @@ def caption_reader(folder: FolderOptions) -> CaptionReader:
 
 def read_caption_file(caption_path: Path) -> tuple[str, str | None]:
     """The text of a caption file ("" when missing), or a problem that makes its image unusable."""
-    if not caption_path.is_file():
+    if not caption_path.exists():
         return "", None
     try:
         return caption_path.read_text(encoding="utf-8").strip(), None
     except UnicodeDecodeError:
         return "", f"caption {caption_path.name} is not UTF-8 text"
+    except OSError as exc:  # unreadable (permissions), or a folder by that name
+        return "", f"caption {caption_path.name} cannot be read ({exc.strerror})"
 
 
 def read_metadata(path: Path) -> dict[str, str]:
@@ -43,8 +45,16 @@ def read_metadata(path: Path) -> dict[str, str]:
     naming the file and the line (the whole folder's captions depend on it)."""
     if not path.is_file():
         raise ConfigError(f"{path}: no such file (caption_source is \"metadata\")")
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     captions = {}
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, raw in enumerate(lines, start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}, line {number}: not UTF-8 text ({not_utf8(exc)})") from None
         if not line.strip():
             continue
         try:

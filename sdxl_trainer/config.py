@@ -149,6 +149,8 @@ class RunConfig(Section):
     def _name_is_a_file_name(cls, value: str) -> str:
         if "/" in value or "\\" in value or value in {".", ".."}:
             raise ValueError("must be a plain name (it becomes a folder and a file name), not a path")
+        if "\0" in value:
+            raise ValueError("contains a NUL character, which no file name can hold")
         return value
 
 
@@ -684,6 +686,8 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
         raise ConfigError(f"{path}: file not found (pass --config PATH)") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({not_utf8(exc)})") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -693,6 +697,11 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     for override in overrides or []:
         apply_override(data, override)
     return validate_config(data, source=str(path))
+
+
+def not_utf8(exc: UnicodeDecodeError) -> str:
+    """Where a file stops being UTF-8, for the one-line error that names it."""
+    return f"byte 0x{exc.object[exc.start]:02x} at offset {exc.start}"
 
 
 def apply_override(data: dict[str, Any], override: str) -> None:

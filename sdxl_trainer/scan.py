@@ -70,13 +70,13 @@ def mask_file(image: Path, folder: FolderOptions) -> Path | None:
 
 def scan_folder(folder: FolderOptions, subset: int, data: DataConfig, report: ScanReport) -> list[ImageRecord]:
     """The usable images of one folder; skipped files and missing captions go into `report`."""
+    read_caption = caption_reader(folder)  # a metadata.jsonl that cannot be used stops before any decoding
     paths, broken = find_images(Path(folder.image_dir), folder.recursive)
     report.skipped += broken
     masks = {path: mask_file(path, folder) for path in paths} if folder.mask_dir else {}
     mask_paths = [mask for mask in masks.values() if mask is not None]
     results = inspect_files(paths + mask_paths, data)
     checked = dict(zip(paths + mask_paths, results, strict=True))
-    read_caption = caption_reader(folder)
     records = []
     for path in paths:
         problem, mask, mask_path = None, ALPHA_MASK if folder.alpha_mask else "", path if folder.alpha_mask else None

@@ -264,3 +264,81 @@ def test_damaged_inputs_are_named_plainly(tmp_path: Path) -> None:
     skipped = dict(scan_images(config.data).skipped)
     assert skipped == {images / "gone.png": f"broken symbolic link (to {images / 'deleted.png'})",
                        images / "notes.jpg": "not an image (PIL recognises no image format in it)"}
+
+
+def test_bad_paths_and_files_are_one_line_naming_the_key_or_file(
+        tmp_path: Path, tiny_sdxl_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    """A cache, TensorBoard or output folder that is a file, a run.name with NUL, and a config or
+    metadata.jsonl that is not UTF-8: exit 2 and one line each, from the dry run, nothing written."""
+    (tmp_path / "a_file").write_text("x")
+    afile = tmp_path / "a_file"
+    images = tmp_path / "images"
+    shutil.copytree(DATA_DIR, images)
+    (images / "metadata.jsonl").write_bytes(b'{"file_name": "a.png", "text": "ok"}\n{"file_name": "b.png", '
+                                            b'"text": "caf\xe9"}\n')
+    path = write_config(tmp_path / "c.json", tiny_config(tmp_path))
+    cases = {
+        ("data.text_cache.cache_dir", str(afile)): f"error: data.text_cache.cache_dir: {afile} is a file, not a folder",
+        ("data.latent_cache.cache_dir", str(afile)):
+            f"error: data.latent_cache.cache_dir: {afile} is a file, not a folder",
+        ("training.tensorboard.base_dir", str(afile)): f"error: training.tensorboard.base_dir: {afile / 'test_run'} "
+                                                      f"cannot be created: {afile} is a file, not a folder",
+        ("run.output_root", str(afile / "deeper")): f"error: run.output_root: {afile / 'deeper' / 'test_run'} cannot "
+                                                   f"be created: {afile} is a file, not a folder",
+        ("run.name", "a\u0000b"): 'run.name = "a\\u0000b": contains a NUL character',
+        ("data.image_dir", str(images)): None,  # with caption_source metadata, below
+    }
+    for (key, value), message in cases.items():
+        overrides = ["--set", f"{key}={json.dumps(value)}"]
+        if message is None:
+            overrides += ["--set", "data.caption_source=metadata"]
+            message = f"error: {images / 'metadata.jsonl'}, line 2: not UTF-8 text (byte 0xe9 at offset 35)"
+        assert train_sdxl.main(["--config", str(path), "--dry-run", *overrides]) == 2, key
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    latin1 = tmp_path / "latin1.json"
+    latin1.write_bytes(path.read_text().replace('"test_run"', '"caf\u00e9"').encode("latin-1"))
+    assert train_sdxl.main(["--config", str(latin1), "--dry-run"]) == 2
+    assert capsys.readouterr().err.strip().startswith(f"error: {latin1}: not UTF-8 text (byte 0xe9 at offset ")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "latents").exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where no folder can be created")
+def test_an_output_folder_that_cannot_be_created_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Refused by the pre-flight where the parent is not writable; as root (who may write
+    anywhere by permissions) by the start, before any model is loaded: exit 2, one line."""
+    path = write_config(tmp_path / "c.json", tiny_config(tmp_path, run={"name": "x", "output_root": "/proc/no/out"}))
+    assert train_sdxl.main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "/proc/no/out/x" in err, err
+    assert ("cannot be created in /proc (permission denied)" in err if os.geteuid() else
+            "error: cannot create the output folder /proc/no/out/x: No such file or directory" in err), err
+
+
+def test_unreadable_images_and_captions_are_skipped_with_their_reason(tmp_path: Path) -> None:
+    """A caption that cannot be read (a folder by its name; chmod 000 where not root) and an image
+    that cannot be read (chmod 000) are skipped with the reason, the rest of the folder used; an
+    unreadable image is not kept in the scan cache (it is read again once its permissions change)."""
+    from sdxl_trainer.scan import scan_images
+
+    images = tmp_path / "images"
+    shutil.copytree(DATA_DIR, images)
+    first, second = sorted(images.glob("*.png"))[:2]
+    first.with_suffix(".txt").unlink()
+    first.with_suffix(".txt").mkdir()
+    config = load_config(write_config(tmp_path / "c.json", tiny_config(tmp_path, data={
+        **tiny_config(tmp_path)["data"], "image_dir": str(images), "scan_cache_dir": str(tmp_path / "scan")})), [])
+    report = scan_images(config.data)
+    assert dict(report.skipped) == {first: f"caption {first.stem}.txt cannot be read (Is a directory)"}
+    assert len(report.images) == 17
+    if os.geteuid() == 0:
+        pytest.skip("chmod 000 does not stop root from reading: the permission case needs another user")
+    second.chmod(0)
+    second.with_suffix(".txt").chmod(0)
+    third = sorted(images.glob("*.png"))[2]
+    third.with_suffix(".txt").chmod(0)
+    skipped = dict(scan_images(config.data).skipped)
+    assert skipped[second] == "cannot open the file (Permission denied)"
+    assert skipped[third] == f"caption {third.stem}.txt cannot be read (Permission denied)"
+    second.chmod(0o644)
+    assert second not in dict(scan_images(config.data).skipped)
