@@ -16,22 +16,39 @@ METADATA_FILE = "metadata.jsonl"
 CaptionReader = Callable[[Path], tuple[str, str | None]]
 
 
-def caption_reader(folder: FolderOptions) -> CaptionReader:
+def caption_reader(folder: FolderOptions, max_bytes: int) -> CaptionReader:
     """A function giving each image of `folder` its caption ("" when it has none) and the problem
-    that makes the image unusable, if any."""
+    that makes the image unusable, if any: a caption over `max_bytes` is one (`data.max_caption_bytes`)."""
     if folder.caption_source == "metadata":
         captions = read_metadata(Path(folder.image_dir) / METADATA_FILE)
         root = Path(folder.image_dir)
-        return lambda path: (captions.get(path.relative_to(root).as_posix(), ""), None)
+
+        def from_metadata(path: Path) -> tuple[str, str | None]:
+            text = captions.get(path.relative_to(root).as_posix(), "")
+            size = len(text.encode())
+            if size > max_bytes:
+                return "", too_long(f"the caption in {METADATA_FILE}", size, max_bytes)
+            return text, None
+
+        return from_metadata
     if folder.caption_source == "filename":
         return lambda path: (path.stem.replace("_", " ").strip(), None)
-    return lambda path: read_caption_file(path.with_suffix(folder.caption_extension))
+    return lambda path: read_caption_file(path.with_suffix(folder.caption_extension), max_bytes)
 
 
-def read_caption_file(caption_path: Path) -> tuple[str, str | None]:
-    """The text of a caption file ("" when missing), or a problem that makes its image unusable."""
-    if not caption_path.exists():
+def too_long(what: str, size: int, max_bytes: int) -> str:
+    return f"{what} is too long: {size:,} bytes is over data.max_caption_bytes={max_bytes}"
+
+
+def read_caption_file(caption_path: Path, max_bytes: int) -> tuple[str, str | None]:
+    """The text of a caption file ("" when missing), or a problem that makes its image unusable.
+    An over-long file is not read at all (shuffling and tokenizing 100 MB would stall the run)."""
+    try:
+        size = caption_path.stat().st_size
+    except FileNotFoundError:
         return "", None
+    if size > max_bytes:
+        return "", too_long(f"caption {caption_path.name}", size, max_bytes)
     try:
         return caption_path.read_text(encoding="utf-8").strip(), None
     except UnicodeDecodeError:

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 BUCKET_KEY = re.compile(r"^(\d+)x(\d+)$")
+MAX_REPEATS = 10_000  # subset repeats: an epoch is a list of every image times its repeats
 
 SAMPLER_NAMES = (
     "euler", "euler_ancestral", "euler_a", "heun", "lms", "dpm_2", "dpm_2_ancestral", "dpm_2_a",
@@ -376,11 +377,21 @@ class SubsetConfig(FolderOptions):
     """One folder of a multi-folder dataset (kohya's `[[datasets.subsets]]`, OneTrainer's concepts)."""
 
     image_dir: str = Field(..., description="Folder of this subset's images.")
-    repeats: PositiveInt = Field(1, description="How many times each image is seen per epoch.")
+    repeats: PositiveInt = Field(
+        1, description=f"How many times each image is seen per epoch (at most {MAX_REPEATS:,}: for longer "
+        "training raise `training.num_steps` or `num_epochs`).", json_schema_extra={"maximum": MAX_REPEATS})
     is_reg: bool = Field(
         False, description="Regularization (class) images for prior preservation: each epoch draws as many as "
         "there are training images, cycling through them; their loss is weighted by `training.prior_loss_weight`.")
     loss_weight: float = Field(1.0, gt=0.0, description="Weight of this subset's images in the loss.")
+
+    @field_validator("repeats")
+    @classmethod
+    def _repeats_fit_an_epoch(cls, value: int) -> int:
+        if value > MAX_REPEATS:  # each repeat is a copy of the folder's images in every epoch's list
+            raise ValueError(f"must be at most {MAX_REPEATS:,}: an epoch holds each image this many times; "
+                             "for longer training raise training.num_steps or training.num_epochs")
+        return value
 
 
 class DataConfig(FolderOptions):
@@ -396,6 +407,10 @@ class DataConfig(FolderOptions):
     )
     max_image_pixels: PositiveInt = Field(
         100_000_000, description="Images with more pixels are skipped (protects against decompression bombs)."
+    )
+    max_caption_bytes: PositiveInt = Field(
+        65_536, description="Captions longer than this (in UTF-8 bytes) are skipped with their image: CLIP reads "
+        "77 tokens (a few hundred characters), and a huge file (a wrong one) would stall the pre-flight."
     )
     num_workers: int = Field(2, ge=0, description="Data-loader worker processes.")
     scan_cache_dir: str = Field(

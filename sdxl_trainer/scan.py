@@ -70,7 +70,8 @@ def mask_file(image: Path, folder: FolderOptions) -> Path | None:
 
 def scan_folder(folder: FolderOptions, subset: int, data: DataConfig, report: ScanReport) -> list[ImageRecord]:
     """The usable images of one folder; skipped files and missing captions go into `report`."""
-    read_caption = caption_reader(folder)  # a metadata.jsonl that cannot be used stops before any decoding
+    # First: a metadata.jsonl that cannot be used stops the scan before any image is decoded.
+    read_caption = caption_reader(folder, data.max_caption_bytes)
     paths, broken = find_images(Path(folder.image_dir), folder.recursive)
     report.skipped += broken
     masks = {path: mask_file(path, folder) for path in paths} if folder.mask_dir else {}

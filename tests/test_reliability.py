@@ -342,3 +342,37 @@ def test_unreadable_images_and_captions_are_skipped_with_their_reason(tmp_path: 
     assert skipped[third] == f"caption {third.stem}.txt cannot be read (Permission denied)"
     second.chmod(0o644)
     assert second not in dict(scan_images(config.data).skipped)
+
+
+def test_a_huge_caption_is_skipped_and_huge_repeats_are_refused(tmp_path: Path) -> None:
+    """A 100 MB caption file (sparse: nothing is written) is skipped with its reason, unread, as an
+    over-large image is; `repeats` of 1e12 is one line naming the key instead of a pre-flight that
+    never ends."""
+    from sdxl_trainer.scan import scan_images
+
+    images = tmp_path / "images"
+    shutil.copytree(DATA_DIR, images)
+    huge = sorted(images.glob("*.txt"))[0]
+    with huge.open("r+b") as handle:
+        handle.truncate(100 * 2**20)
+    config = load_config(write_config(tmp_path / "c.json", tiny_config(tmp_path, data={
+        **tiny_config(tmp_path)["data"], "image_dir": str(images), "caption_shuffle_prob": 0.5})), [])
+    report = scan_images(config.data)
+    assert dict(report.skipped) == {huge.with_suffix(".png"): f"caption {huge.name} is too long: 104,857,600 bytes "
+                                                              "is over data.max_caption_bytes=65536"}
+    assert len(report.images) == 17
+    raised = load_config(write_config(tmp_path / "r.json", tiny_config(tmp_path, data={
+        **tiny_config(tmp_path)["data"], "image_dir": str(images), "max_caption_bytes": 200 * 2**20})), [])
+    assert not scan_images(raised.data).skipped  # the limit is the user's to raise
+
+    subsets = {"image_dir": str(DATA_DIR)}
+    for repeats, accepted in ((10_000, True), (10_001, False), (1e12, False)):
+        config = tiny_config(tmp_path)
+        del config["data"]["image_dir"]
+        config["data"]["subsets"] = [{**subsets, "repeats": repeats}]
+        path = write_config(tmp_path / "s.json", config)
+        if accepted:
+            assert load_config(path, []).data.folders()[0].repeats == repeats
+            continue
+        with pytest.raises(ConfigError, match=r"data\.subsets\.0\.repeats = .*: must be at most 10,000: "):
+            load_config(path, [])
