@@ -110,7 +110,10 @@ def plan_run(config: Config) -> RunPlan:
     if not data_plan.samples:
         folders = ", ".join(folder.image_dir for folder in config.data.folders() if not folder.is_reg)
         key = "data.subsets" if config.data.subsets else "data.image_dir"
-        raise ConfigError(f"{key}: no readable images found in {folders}")
+        skipped = data_plan.scan.skipped
+        why = "".join(f"; {path.name}: {reason}" for path, reason in skipped[:3]) + (
+            f"; and {len(skipped) - 3} more skipped" if len(skipped) > 3 else "")
+        raise ConfigError(f"{key}: no readable images found in {folders}{why}")
     check_batches(config, data_plan)
     total_steps = count_steps(config, data_plan.batches_per_epoch)
     preflight = describe_plan(config, data_plan, total_steps)

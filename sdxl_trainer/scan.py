@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .captions import caption_reader
+from .captions import MetadataCaptions, caption_reader
 from .config import DataConfig, FolderOptions
 from .scan_cache import inspect_images
 
@@ -37,6 +37,7 @@ class ScanReport:
     images: list[ImageRecord] = field(default_factory=list)
     skipped: list[tuple[Path, str]] = field(default_factory=list)
     missing_captions: list[Path] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # e.g. metadata.jsonl lines that name no image
     validation: list[ImageRecord] = field(default_factory=list)  # from data.validation_dir
 
 
@@ -74,6 +75,8 @@ def scan_folder(folder: FolderOptions, subset: int, data: DataConfig, report: Sc
     read_caption = caption_reader(folder, data.max_caption_bytes)
     paths, broken = find_images(Path(folder.image_dir), folder.recursive)
     report.skipped += broken
+    if isinstance(read_caption, MetadataCaptions):
+        report.warnings += read_caption.unmatched(paths + [path for path, _ in broken])
     masks = {path: mask_file(path, folder) for path in paths} if folder.mask_dir else {}
     mask_paths = [mask for mask in masks.values() if mask is not None]
     results = inspect_files(paths + mask_paths, data)

@@ -376,3 +376,36 @@ def test_a_huge_caption_is_skipped_and_huge_repeats_are_refused(tmp_path: Path) 
             continue
         with pytest.raises(ConfigError, match=r"data\.subsets\.0\.repeats = .*: must be at most 10,000: "):
             load_config(path, [])
+
+
+def test_metadata_lines_for_missing_images_are_warned_and_unusable_masks_give_their_reasons(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A metadata.jsonl line naming no image is a warning naming the line (not silence); when every
+    image is skipped (here: every mask the wrong size) the error says why, not only "no readable images"."""
+    from PIL import Image
+
+    images = tmp_path / "images"
+    shutil.copytree(DATA_DIR, images)
+    names = sorted(path.name for path in images.glob("*.png"))
+    lines = [json.dumps({"file_name": name, "text": "a cross"}) for name in names]
+    lines.insert(2, json.dumps({"file_name": "shape_99.png", "text": "a typo"}))
+    (images / "metadata.jsonl").write_text("\n".join(lines) + "\n")
+    path = write_config(tmp_path / "c.json", tiny_config(tmp_path))
+    overrides = ["--set", f"data.image_dir={images}", "--set", "data.caption_source=metadata"]
+    assert train_sdxl.main(["--config", str(path), "--dry-run", *overrides]) == 0
+    report = capsys.readouterr().out
+    assert (f"  warning: {images / 'metadata.jsonl'}, line 3: no image 'shape_99.png' in {images}; the line is not "
+            "used") in report
+    assert report.count("warning: ") == 1 and "images: 18 usable, 0 skipped" in report
+
+    masks = tmp_path / "masks"
+    masks.mkdir()
+    for name in names:
+        Image.new("L", (32, 32), 255).save(masks / name)
+    assert train_sdxl.main(["--config", str(path), "--dry-run", "--set", f"data.mask_dir={masks}"]) == 2
+    err = capsys.readouterr().err.strip()
+    err = err[err.index("error: "):]  # after the scan's progress bar
+    first = Image.open(images / names[0]).size
+    assert err.startswith(f"error: data.image_dir: no readable images found in {DATA_DIR}; {names[0]}: mask "
+                          f"{masks / names[0]} is 32x32, the image {first[0]}x{first[1]}; "), err
+    assert err.endswith("; and 15 more skipped") and len(err.splitlines()) == 1
