@@ -77,7 +77,11 @@ def train(config: Config, plan: RunPlan) -> int:
         start_run,
     )
 
-    run = start_run(config, plan)
+    try:
+        run = start_run(config, plan)
+    except OutputWriteError as exc:  # a full disk while the caches are built: nothing was trained yet
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     try:
         while run.position.step < run.total_steps:
             for batch in epoch_batches(run):
@@ -104,7 +108,7 @@ def train(config: Config, plan: RunPlan) -> int:
         run.accelerator.print(f"error: {exc}; training stopped; they were not saved", file=sys.stderr)
         return finish(run, "aborted: non-finite weights", EXIT_FAILED)
     except OutputWriteError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {exc}; earlier checkpoints are intact", file=sys.stderr)
         return finish(run, "failed: could not write the outputs", EXIT_FAILED)
     finally:
         run.progress.close()

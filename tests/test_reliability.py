@@ -409,3 +409,47 @@ def test_metadata_lines_for_missing_images_are_warned_and_unusable_masks_give_th
     assert err.startswith(f"error: data.image_dir: no readable images found in {DATA_DIR}; {names[0]}: mask "
                           f"{masks / names[0]} is 32x32, the image {first[0]}x{first[1]}; "), err
     assert err.endswith("; and 15 more skipped") and len(err.splitlines()) == 1
+
+
+def test_a_full_disk_before_the_first_step_is_one_line_with_the_os_reason(
+        tmp_path: Path, tiny_sdxl_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """The disk fills while the latent cache, the text cache or the TensorBoard folder is written:
+    exit 1, one line naming the file with the OS's reason, no lock file and no temp file left.
+    safetensors writes from Rust, so its write is replaced by one that fails as it does on a full
+    disk; TensorBoard's files are opened on /dev/full, where the kernel itself answers ENOSPC."""
+    import io
+
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    real_save_file, real_open = safetensors.torch.save_file, io.open
+    full = {"where": None}
+
+    def save_file_until_full(tensors, filename, *args, **kwargs):
+        if full["where"] is not None and Path(filename).is_relative_to(full["where"]):
+            Path(filename).write_bytes(b"half an entry")
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real_save_file(tensors, filename, *args, **kwargs)
+
+    def open_on_a_full_disk(file, *args, **kwargs):
+        name = "" if isinstance(file, int) else os.fsdecode(file)  # TensorBoard passes bytes
+        if full["where"] is not None and name.startswith(str(full["where"])):
+            file = "/dev/full"
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file_until_full)
+    monkeypatch.setattr(io, "open", open_on_a_full_disk)
+    path = write_config(tmp_path / "c.json", tiny_config(tmp_path))
+    for name, where in (("latents", tmp_path / "latents"), ("text", tmp_path / "text"),
+                        ("tensorboard", tmp_path / "tb" / "tensorboard")):
+        if name == "tensorboard" and not Path("/dev/full").exists():
+            continue
+        full["where"] = where
+        capsys.readouterr()
+        assert train_sdxl.main(["--config", str(path), "--set", f"run.name={name}"]) == 1, name
+        err = capsys.readouterr().err
+        line = err[err.index("error: "):].strip()
+        assert line.startswith(f"error: cannot write {where}") and "Traceback" not in err, err[-3000:]
+        assert line.endswith(" MiB free there)") and ": No space left on device (" in line and "\n" not in line, line
+        assert not (tmp_path / "out" / name / ".trainer.lock").exists()
+        assert not list(tmp_path.rglob("*.tmp"))
