@@ -660,6 +660,7 @@ def final_writes(run: Run, pipe: StableDiffusionXLPipeline, snapshot: TrainerSna
     if run.evaluator:
         yield "final eval"
         run.tally.invalid_final_images = run.evaluator.final(pipe, run.position.step, run.device)
+    yield "run summary"  # a stop during the last write is honoured too, as the message promised
 
 
 def interrupt_final(run: Run, pipe: StableDiffusionXLPipeline, snapshot: TrainerSnapshot, pending: str) -> int:

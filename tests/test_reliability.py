@@ -411,6 +411,75 @@ def test_metadata_lines_for_missing_images_are_warned_and_unusable_masks_give_th
     assert err.endswith("; and 15 more skipped") and len(err.splitlines()) == 1
 
 
+def started_lines(job: Job) -> list[str]:
+    """What a process said on stderr, without progress bars and `-X importtime`'s lines."""
+    text = "".join(job.stderr).replace("\r", "\n")
+    return [line for line in text.splitlines()
+            if line.strip() and not line.startswith("import time:") and "it/s]" not in line and "s/it]" not in line
+            and not line.startswith("[transformers]")]
+
+
+def test_a_signal_before_the_first_step_is_one_line_exit_130_and_releases_the_lock(
+        tmp_path: Path, tiny_sdxl_dir: Path) -> None:
+    """Ctrl-C while torch is being imported, and SIGTERM once the output folder is locked (the
+    model loading and cache building): one line each, exit 130, no lock file, no temp file left."""
+    path = write_config(tmp_path / "c.json", tiny_config(tmp_path))
+    job = Job(path, python_options=("-X", "importtime"))
+    job.wait_for(lambda: "| torch." in "".join(job.stderr), "the import of torch")
+    job.process.send_signal(signal.SIGINT)
+    assert job.finish() == 130
+    assert started_lines(job) == ["SIGINT: interrupted before training started; nothing was trained"], job.stderr
+
+    job = Job(path)
+    job.wait_for(lambda: "seed: " in "".join(job.stdout), "the lock")  # taken just before the seed is said
+    out = tmp_path / "out" / "test_run"
+    assert (out / ".trainer.lock").is_file()
+    job.process.send_signal(signal.SIGTERM)
+    assert job.finish() == 130
+    assert started_lines(job)[-1] == "SIGTERM: interrupted before training started; nothing was trained"
+    assert "Traceback" not in "".join(job.stderr)
+    assert not (out / ".trainer.lock").exists() and not list(tmp_path.rglob("*.tmp"))
+
+
+def test_ctrl_c_with_data_loader_workers_is_said_once(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
+    """A terminal's Ctrl-C reaches the whole process group, the DataLoader's forked workers too:
+    the main process alone answers it."""
+    config = tiny_config(tmp_path, training={"num_steps": STEPS, "checkpoint_every": 100, "log_every": 1})
+    config["data"]["num_workers"] = 2
+    job = Job(write_config(tmp_path / "c.json", config), own_group=True)
+    job.wait_for(lambda: job.steps_done() >= 1, "the first step")
+    os.killpg(job.process.pid, signal.SIGINT)
+    assert job.finish() == 130
+    err = "".join(job.stderr)
+    assert err.count("SIGINT: finishing this step and saving a checkpoint") == 1, err[-3000:]
+    assert "interrupted: checkpoint saved at step " in "".join(job.stdout)
+
+
+def test_a_stop_during_the_last_final_write_saves_a_checkpoint_as_it_says(
+        tmp_path: Path, tiny_sdxl_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """SIGTERM while the trainer state (the last final write without eval) is written: the message
+    says "then saving a checkpoint", so a checkpoint is saved and the exit is 130, not 0."""
+    import sdxl_trainer.checkpointing as checkpointing
+
+    path = write_config(tmp_path / "c.json", tiny_config(tmp_path, training={"num_steps": 2, "checkpoint_every": 100}))
+    out = tmp_path / "out" / "test_run"
+    real_save_state = checkpointing.save_state
+
+    def state_interrupted(where, *args, **kwargs):
+        if Path(where) == out / "trainer_state.pt":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_save_state(where, *args, **kwargs)
+
+    monkeypatch.setattr(checkpointing, "save_state", state_interrupted)
+    capsys.readouterr()
+    assert train_sdxl.main(["--config", str(path)]) == 130
+    said = capsys.readouterr()
+    assert "SIGTERM: finishing the write in progress, then saving a checkpoint" in said.err
+    assert "interrupted during the final save, before the run summary" in said.out
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["checkpoint-2"]
+    assert json.loads((out / "run_summary.json").read_text())["status"] == "interrupted during the final save at step 2"
+
+
 def test_a_full_disk_before_the_first_step_is_one_line_with_the_os_reason(
         tmp_path: Path, tiny_sdxl_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """The disk fills while the latent cache, the text cache or the TensorBoard folder is written:
