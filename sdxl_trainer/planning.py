@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .config import UNBUILT, Config, ConfigError, unbuilt_options
+from .precision import cached_encoders
 
 if TYPE_CHECKING:
     from .data_plan import DatasetPlan
@@ -74,9 +75,10 @@ def output_folders(config: Config) -> list[tuple[str, Path]]:
     if training.tensorboard.enabled:
         key = "training.tensorboard.log_dir" if training.tensorboard.log_dir else "training.tensorboard.base_dir"
         folders.append((key, config.tensorboard_dir))
-    for name in ("latent_cache", "text_cache"):
-        if getattr(data, name).enabled:
-            folders.append((f"data.{name}.cache_dir", Path(getattr(data, name).cache_dir)))
+    if data.latent_cache.enabled:
+        folders.append(("data.latent_cache.cache_dir", Path(data.latent_cache.cache_dir)))
+    if cached_encoders(config):
+        folders.append(("data.text_cache.cache_dir", Path(data.text_cache.cache_dir)))
     return folders
 
 
