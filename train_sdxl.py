@@ -14,11 +14,13 @@ import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
-from sdxl_trainer.checkpointing import RunComplete
-from sdxl_trainer.config import Config, ConfigError, load_config
-from sdxl_trainer.planning import RunPlan, check_inputs, plan_run
-from sdxl_trainer.stop_request import EXIT_INTERRUPTED
+from sdxl_trainer.stop_request import EXIT_INTERRUPTED, StartupStop  # first: it handles Ctrl-C from here on
+
+if TYPE_CHECKING:
+    from sdxl_trainer.config import Config
+    from sdxl_trainer.planning import RunPlan
 
 EXIT_OK, EXIT_USAGE = 0, 2
 
@@ -38,7 +40,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    """The command line; a Ctrl-C or SIGTERM before the first step (imports included: the package is
+    imported here, once the handler is in place) is one line and exit 130."""
+    startup = StartupStop()
+    try:
+        return run_command(parse_args(argv))
+    except BaseException:
+        if startup.signal is None:
+            raise
+        print(f"\n{startup.signal}: interrupted before training started; nothing was trained", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        startup.restore()
+
+
+def run_command(args: argparse.Namespace) -> int:
+    from sdxl_trainer.checkpointing import RunComplete
+    from sdxl_trainer.config import ConfigError, load_config
+    from sdxl_trainer.planning import check_inputs, plan_run
+
     try:
         config = load_config(args.config, args.set)
         if args.print_config:
@@ -61,9 +81,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:  # also what loading the model finds wrong with it
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:  # before the first step: nothing to save yet
-        print("\ninterrupted before training started; nothing was trained", file=sys.stderr)
-        return EXIT_INTERRUPTED
 
 
 def train(config: Config, plan: RunPlan) -> int:
@@ -86,7 +103,11 @@ def train(config: Config, plan: RunPlan) -> int:
         start_run,
     )
 
-    run = start_run(config, plan)
+    try:
+        run = start_run(config, plan)
+    except OutputWriteError as exc:  # a full disk while the caches are built: nothing was trained yet
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     try:
         while run.position.step < run.total_steps:
             for batch in epoch_batches(run):
@@ -113,7 +134,7 @@ def train(config: Config, plan: RunPlan) -> int:
         run.accelerator.print(f"error: {exc}; training stopped; they were not saved", file=sys.stderr)
         return finish(run, "aborted: non-finite weights", EXIT_FAILED)
     except OutputWriteError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {exc}; earlier checkpoints are intact", file=sys.stderr)
         return finish(run, "failed: could not write the outputs", EXIT_FAILED)
     finally:
         run.progress.close()

@@ -39,13 +39,14 @@ _WRITE_FAILURE_TEXTS = ("No space left on device", "PytorchStreamWriter", "inlin
 HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 # A temp of `atomic_path` or `atomic_dir`: the writer's pid and host, then tempfile's random part.
 TEMP_NAME = re.compile(r"^\..+\.(\d+)-([0-9a-f]{8})\.[a-z0-9_]+\.tmp$")
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how Rust (safetensors) words an OS error
 
 
 class OutputWriteError(Exception):
     """A file or folder could not be written; the previous version at that path is intact."""
 
     def __init__(self, destination: Path, reason: str, free: str) -> None:
-        super().__init__(f"cannot write {destination}: {reason} ({free}); earlier checkpoints are intact")
+        super().__init__(f"cannot write {destination}: {reason} ({free})")
         self.reason, self.free = reason, free
 
 
@@ -58,8 +59,9 @@ def reported_write_failures(destination: str | os.PathLike[str]) -> Iterator[Non
     except OutputWriteError as exc:  # from a file inside this folder's temp copy: name the folder
         raise OutputWriteError(Path(destination), exc.reason, exc.free) from exc.__cause__
     except Exception as exc:
-        if isinstance(exc, OSError) and exc.errno in _WRITE_ERRNOS:
-            reason = exc.strerror or str(exc)
+        code = _errno_of(exc)
+        if code in _WRITE_ERRNOS:
+            reason = os.strerror(code)  # the OS's own words
         elif any(text in str(exc) for text in _WRITE_FAILURE_TEXTS):
             reason = "No space left on device" if "No space left" in str(exc) else "the write failed"
         else:
@@ -69,6 +71,14 @@ def reported_write_failures(destination: str | os.PathLike[str]) -> Iterator[Non
         except OSError:
             free = "free space unknown"
         raise OutputWriteError(Path(destination), reason, free) from exc
+
+
+def _errno_of(exc: Exception) -> int | None:
+    """The OS error number of a failed write: an OSError's, or the one Rust (safetensors) quotes."""
+    if isinstance(exc, OSError):
+        return exc.errno
+    found = _OS_ERROR.search(str(exc))
+    return int(found.group(1)) if found else None
 
 
 @contextlib.contextmanager

@@ -9,42 +9,85 @@ import random
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from .config import ConfigError, FolderOptions
+from .config import ConfigError, FolderOptions, not_utf8
 
 METADATA_FILE = "metadata.jsonl"
 
 CaptionReader = Callable[[Path], tuple[str, str | None]]
 
 
-def caption_reader(folder: FolderOptions) -> CaptionReader:
+def caption_reader(folder: FolderOptions, max_bytes: int) -> CaptionReader:
     """A function giving each image of `folder` its caption ("" when it has none) and the problem
-    that makes the image unusable, if any."""
+    that makes the image unusable, if any: a caption over `max_bytes` is one (`data.max_caption_bytes`)."""
     if folder.caption_source == "metadata":
-        captions = read_metadata(Path(folder.image_dir) / METADATA_FILE)
-        root = Path(folder.image_dir)
-        return lambda path: (captions.get(path.relative_to(root).as_posix(), ""), None)
+        return MetadataCaptions(Path(folder.image_dir), max_bytes)
     if folder.caption_source == "filename":
         return lambda path: (path.stem.replace("_", " ").strip(), None)
-    return lambda path: read_caption_file(path.with_suffix(folder.caption_extension))
+    return lambda path: read_caption_file(path.with_suffix(folder.caption_extension), max_bytes)
 
 
-def read_caption_file(caption_path: Path) -> tuple[str, str | None]:
-    """The text of a caption file ("" when missing), or a problem that makes its image unusable."""
-    if not caption_path.is_file():
+class MetadataCaptions:
+    """The captions of a folder's `metadata.jsonl`, which also knows the lines that name no image."""
+
+    def __init__(self, root: Path, max_bytes: int) -> None:
+        self.root, self.max_bytes = root, max_bytes
+        self.entries = read_metadata_lines(root / METADATA_FILE)
+
+    def __call__(self, path: Path) -> tuple[str, str | None]:
+        text = self.entries.get(path.relative_to(self.root).as_posix(), ("", 0))[0]
+        size = len(text.encode())
+        if size > self.max_bytes:
+            return "", too_long(f"the caption in {METADATA_FILE}", size, self.max_bytes)
+        return text, None
+
+    def unmatched(self, images: Iterable[Path]) -> list[str]:
+        """A warning for each line whose file_name is none of `images` (a typo, or a deleted file)."""
+        names = {path.relative_to(self.root).as_posix() for path in images}
+        return [f"{self.root / METADATA_FILE}, line {line}: no image {name!r} in {self.root}; the line is not used"
+                for name, (_, line) in self.entries.items() if name not in names]
+
+
+def too_long(what: str, size: int, max_bytes: int) -> str:
+    return f"{what} is too long: {size:,} bytes is over data.max_caption_bytes={max_bytes}"
+
+
+def read_caption_file(caption_path: Path, max_bytes: int) -> tuple[str, str | None]:
+    """The text of a caption file ("" when missing), or a problem that makes its image unusable.
+    An over-long file is not read at all (shuffling and tokenizing 100 MB would stall the run)."""
+    try:
+        size = caption_path.stat().st_size
+    except FileNotFoundError:
         return "", None
+    if size > max_bytes:
+        return "", too_long(f"caption {caption_path.name}", size, max_bytes)
     try:
         return caption_path.read_text(encoding="utf-8").strip(), None
     except UnicodeDecodeError:
         return "", f"caption {caption_path.name} is not UTF-8 text"
+    except OSError as exc:  # unreadable (permissions), or a folder by that name
+        return "", f"caption {caption_path.name} cannot be read ({exc.strerror})"
 
 
 def read_metadata(path: Path) -> dict[str, str]:
     """`metadata.jsonl` as {file_name: text}; a line that is not such an object is a ConfigError
     naming the file and the line (the whole folder's captions depend on it)."""
+    return {name: text for name, (text, _) in read_metadata_lines(path).items()}
+
+
+def read_metadata_lines(path: Path) -> dict[str, tuple[str, int]]:
+    """`read_metadata` with the number of the line each caption is on."""
     if not path.is_file():
         raise ConfigError(f"{path}: no such file (caption_source is \"metadata\")")
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     captions = {}
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, raw in enumerate(lines, start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path}, line {number}: not UTF-8 text ({not_utf8(exc)})") from None
         if not line.strip():
             continue
         try:
@@ -56,7 +99,7 @@ def read_metadata(path: Path) -> dict[str, str]:
         text = entry.get("text", "")
         if not isinstance(text, str):
             raise ConfigError(f"{path}, line {number}: \"text\" must be a string")
-        captions[Path(entry["file_name"]).as_posix()] = text.strip()
+        captions[Path(entry["file_name"]).as_posix()] = (text.strip(), number)
     return captions
 
 

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 BUCKET_KEY = re.compile(r"^(\d+)x(\d+)$")
+MAX_REPEATS = 10_000  # subset repeats: an epoch is a list of every image times its repeats
 
 SAMPLER_NAMES = (
     "euler", "euler_ancestral", "euler_a", "heun", "lms", "dpm_2", "dpm_2_ancestral", "dpm_2_a",
@@ -149,6 +150,8 @@ class RunConfig(Section):
     def _name_is_a_file_name(cls, value: str) -> str:
         if "/" in value or "\\" in value or value in {".", ".."}:
             raise ValueError("must be a plain name (it becomes a folder and a file name), not a path")
+        if "\0" in value:
+            raise ValueError("contains a NUL character, which no file name can hold")
         return value
 
 
@@ -383,11 +386,21 @@ class SubsetConfig(FolderOptions):
     """One folder of a multi-folder dataset (kohya's `[[datasets.subsets]]`, OneTrainer's concepts)."""
 
     image_dir: str = Field(..., description="Folder of this subset's images.")
-    repeats: PositiveInt = Field(1, description="How many times each image is seen per epoch.")
+    repeats: PositiveInt = Field(
+        1, description=f"How many times each image is seen per epoch (at most {MAX_REPEATS:,}: for longer "
+        "training raise `training.num_steps` or `num_epochs`).", json_schema_extra={"maximum": MAX_REPEATS})
     is_reg: bool = Field(
         False, description="Regularization (class) images for prior preservation: each epoch draws as many as "
         "there are training images, cycling through them; their loss is weighted by `training.prior_loss_weight`.")
     loss_weight: float = Field(1.0, gt=0.0, description="Weight of this subset's images in the loss.")
+
+    @field_validator("repeats")
+    @classmethod
+    def _repeats_fit_an_epoch(cls, value: int) -> int:
+        if value > MAX_REPEATS:  # each repeat is a copy of the folder's images in every epoch's list
+            raise ValueError(f"must be at most {MAX_REPEATS:,}: an epoch holds each image this many times; "
+                             "for longer training raise training.num_steps or training.num_epochs")
+        return value
 
 
 class DataConfig(FolderOptions):
@@ -403,6 +416,10 @@ class DataConfig(FolderOptions):
     )
     max_image_pixels: PositiveInt = Field(
         100_000_000, description="Images with more pixels are skipped (protects against decompression bombs)."
+    )
+    max_caption_bytes: PositiveInt = Field(
+        65_536, description="Captions longer than this (in UTF-8 bytes) are skipped with their image: CLIP reads "
+        "77 tokens (a few hundred characters), and a huge file (a wrong one) would stall the pre-flight."
     )
     num_workers: int = Field(2, ge=0, description="Data-loader worker processes.")
     scan_cache_dir: str = Field(
@@ -693,6 +710,8 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
         raise ConfigError(f"{path}: file not found (pass --config PATH)") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({not_utf8(exc)})") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -702,6 +721,11 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     for override in overrides or []:
         apply_override(data, override)
     return validate_config(data, source=str(path))
+
+
+def not_utf8(exc: UnicodeDecodeError) -> str:
+    """Where a file stops being UTF-8, for the one-line error that names it."""
+    return f"byte 0x{exc.object[exc.start]:02x} at offset {exc.start}"
 
 
 def apply_override(data: dict[str, Any], override: str) -> None:

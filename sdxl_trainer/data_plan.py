@@ -100,6 +100,9 @@ class DatasetPlan:
         lines = [f"images: {len(scan.images) + len(scan.validation)} usable, {len(scan.skipped)} skipped, "
                  f"{len(scan.missing_captions)} without caption (trained with an empty caption)"]
         lines += [f"  skipped {path}: {reason}" for path, reason in scan.skipped]
+        lines += [f"  warning: {warning}" for warning in scan.warnings[:10]]
+        if len(scan.warnings) > 10:
+            lines.append(f"  … and {len(scan.warnings) - 10} more such warnings")
         lines += [f"  no caption: {path}" for path in scan.missing_captions[:10]]
         if len(scan.missing_captions) > 10:
             lines.append(f"  … and {len(scan.missing_captions) - 10} more without caption")

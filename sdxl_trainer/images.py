@@ -19,6 +19,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 _ROTATED_ORIENTATIONS = {5, 6, 7, 8}
 _EXIF_ORIENTATION = 0x0112
 _SIXTEEN_BIT_MODES = {"I;16", "I;16L", "I;16B", "I;16N", "I"}
+UNREADABLE = "cannot open the file"  # the problem of a file this user may not read
 
 
 class ImageCheck(NamedTuple):
@@ -51,7 +52,10 @@ def check_image(path: Path, max_pixels: int) -> ImageCheck:
     training; a JPEG is decoded at 1/8 scale (libjpeg's DCT scaling still entropy-decodes the whole
     stream, and fails on a truncated one as the full decode does, in half the time).
     """
-    content = path.read_bytes()
+    try:
+        content = path.read_bytes()
+    except OSError as exc:  # permissions: not a verdict on the file, so a scan cache does not keep it
+        return ImageCheck(problem=f"{UNREADABLE} ({exc.strerror})")
     if not content:
         return ImageCheck(problem="empty file (0 bytes)")
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -53,6 +54,35 @@ def check_optimizer(optimizer: OptimizerConfig) -> None:
             raise ConfigError(f"optimizer.args.{key}: not an argument of {optimizer.type}"
                               + (f' (did you mean "{match}"?)' if match else "")
                               + f"; it takes {', '.join(n for n in accepted if n not in SET_BY_THE_TRAINER)}")
+        default, value = accepted[key].default, optimizer.args[key]
+        if not fits_default(value, default):
+            raise ConfigError(f"optimizer.args.{key} = {json.dumps(value)}: must be {kind_of(default)}, as "
+                              f"{optimizer.type}'s default {default!r} is")
+
+
+def fits_default(value: Any, default: Any) -> bool:
+    """Whether a JSON value has the type of a constructor argument's default (a truthy string
+    would otherwise switch on a boolean option). A default of None or none at all says nothing."""
+    if isinstance(default, bool):
+        return isinstance(value, bool)
+    if isinstance(default, int):
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(default, float):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(default, str):
+        return isinstance(value, str)
+    if isinstance(default, (tuple, list)):
+        return isinstance(value, (tuple, list)) and len(value) == len(default) and all(
+            fits_default(item, expected) for item, expected in zip(value, default, strict=True))
+    return True
+
+
+def kind_of(default: Any) -> str:
+    if isinstance(default, bool):
+        return "true or false"
+    if isinstance(default, (tuple, list)):
+        return f"a list of {len(default)}: " + ", ".join(kind_of(item) for item in default)
+    return {int: "an integer", float: "a number", str: "a string"}.get(type(default), "any value")
 
 
 def make_optimizer(optimizer: OptimizerConfig, param_groups: list[dict[str, Any]], device: str = "cpu",

@@ -38,7 +38,10 @@ class OutputLock:
     def acquire(self) -> str | None:
         """Take the lock, or raise ConfigError naming the run that holds it. Returns a note when
         an earlier run ended without releasing it (killed), else None."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # what the pre-flight cannot know (a read-only or special file system)
+            raise ConfigError(f"cannot create the output folder {self.path.parent}: {exc.strerror}") from None
         while True:
             handle = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 (open for as long as the run holds the lock)
             try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,19 +57,39 @@ def write_summary(config: Config, summary: dict[str, Any]) -> None:
 
 def open_tensorboard(config: Config, preflight: str):
     """A TensorBoard writer for the run, or None when disabled; the config and the pre-flight
-    report go in as text."""
+    report go in as text, flushed at once: a full disk is an OutputWriteError now, before the
+    first step, not an error from TensorBoard's writer thread later."""
     if not config.training.tensorboard.enabled:
         return None
     from torch.utils.tensorboard import SummaryWriter
     from torch.utils.tensorboard.summary import hparams
 
-    writer = SummaryWriter(log_dir=str(config.tensorboard_dir))
-    writer.add_text("run/config", "```json\n" + json.dumps(config.resolved(), indent=2) + "\n```", 0)
-    writer.add_text("run/preflight", "```\n" + preflight + "\n```", 0)
-    # The HParams tab: this run's main settings beside its loss, comparable across runs.
-    for summary in hparams(run_hparams(config), {"train/loss": float("nan")}):
-        writer.file_writer.add_summary(summary)
+    quiet_writer_threads()
+    with reported_write_failures(config.tensorboard_dir):
+        writer = SummaryWriter(log_dir=str(config.tensorboard_dir))
+        writer.add_text("run/config", "```json\n" + json.dumps(config.resolved(), indent=2) + "\n```", 0)
+        writer.add_text("run/preflight", "```\n" + preflight + "\n```", 0)
+        # The HParams tab: this run's main settings beside its loss, comparable across runs.
+        for summary in hparams(run_hparams(config), {"train/loss": float("nan")}):
+            writer.file_writer.add_summary(summary)
+        writer.flush()
     return writer
+
+
+def quiet_writer_threads() -> None:
+    """TensorBoard's writer thread hands its error (a full disk) to the main thread, which raises it
+    at the next write or flush and reports it in one line; the thread's own traceback on the way
+    out would only repeat it. Other threads' errors are printed as before."""
+    previous = threading.excepthook
+    if getattr(previous, "quiets_tensorboard", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if not type(args.thread).__module__.startswith("tensorboard."):
+            previous(args)
+
+    hook.quiets_tensorboard = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 def run_hparams(config: Config) -> dict[str, Any]:

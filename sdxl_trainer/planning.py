@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .config import UNBUILT, Config, ConfigError, unbuilt_options
+from .precision import cached_encoders
 
 if TYPE_CHECKING:
     from .checkpointing import Resume, ResumeChoice
@@ -52,6 +53,7 @@ def check_inputs(config: Config) -> None:
     if config.model.vae:
         resolve_source(config.model.vae, key="model.vae")
     check_folders(config)
+    check_output_folders(config)
 
 
 def check_folders(config: Config) -> None:
@@ -62,6 +64,40 @@ def check_folders(config: Config) -> None:
     for key, path in [*paths, ("data.validation_dir", data.validation_dir)]:
         if path and not Path(path).is_dir():
             raise ConfigError(f"{key} = {path!r}: no such folder")
+
+
+def output_folders(config: Config) -> list[tuple[str, Path]]:
+    """(key, folder) of every folder the run writes into, by the key that places it."""
+    training, data = config.training, config.data
+    folders = [("training.output_dir" if training.output_dir else "run.output_root", config.output_dir)]
+    if training.state_path:
+        folders.append(("training.state_path", config.state_path.parent))
+    if config.export.save_single_file:
+        key = "export.checkpoint_path" if config.export.checkpoint_path else "run.checkpoint_root"
+        folders.append((key, config.checkpoint_path.parent))
+    if training.tensorboard.enabled:
+        key = "training.tensorboard.log_dir" if training.tensorboard.log_dir else "training.tensorboard.base_dir"
+        folders.append((key, config.tensorboard_dir))
+    if data.latent_cache.enabled:
+        folders.append(("data.latent_cache.cache_dir", Path(data.latent_cache.cache_dir)))
+    if cached_encoders(config):
+        folders.append(("data.text_cache.cache_dir", Path(data.text_cache.cache_dir)))
+    return folders
+
+
+def check_output_folders(config: Config) -> None:
+    """Every folder the run writes is a folder, or can be created: a file in its place or an
+    unwritable parent is one line naming the key now, not a traceback once the models are loaded."""
+    for key, folder in output_folders(config):
+        existing = folder
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            where = "is a file" if existing == folder else f"cannot be created: {existing} is a file"
+            raise ConfigError(f"{key}: {folder} {where}, not a folder")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            what = "cannot be written" if existing == folder else f"cannot be created in {existing}"
+            raise ConfigError(f"{key}: {folder} {what} (permission denied)")
 
 
 def plan_run(config: Config) -> RunPlan:
@@ -79,7 +115,10 @@ def plan_run(config: Config) -> RunPlan:
     if not data_plan.samples:
         folders = ", ".join(folder.image_dir for folder in config.data.folders() if not folder.is_reg)
         key = "data.subsets" if config.data.subsets else "data.image_dir"
-        raise ConfigError(f"{key}: no readable images found in {folders}")
+        skipped = data_plan.scan.skipped
+        why = "".join(f"; {path.name}: {reason}" for path, reason in skipped[:3]) + (
+            f"; and {len(skipped) - 3} more skipped" if len(skipped) > 3 else "")
+        raise ConfigError(f"{key}: no readable images found in {folders}{why}")
     check_batches(config, data_plan)
     total_steps = count_steps(config, data_plan.batches_per_epoch)
     preflight = describe_plan(config, data_plan, total_steps)

@@ -112,11 +112,27 @@ class StepResult(NamedTuple):
 
 # ------------------------------------------------------------------------------------ start
 def start_run(config: Config, plan: RunPlan, pipe: StableDiffusionXLPipeline | None = None) -> Run:
-    """Seed, precision plan, models, optimizer and data; continue from `plan.resume` if set.
+    """Lock the output folder, then seed, precision plan, models, optimizer and data; continue from
+    `plan.resume` if set. A start that fails or is interrupted releases the lock again.
 
     `pipe` replaces the model `config.model` names, and a plan without data (`plan.data` None)
     opens no data loader: the caller feeds its own batches (the full-size GPU benchmark does both).
     """
+    accelerator = make_accelerator(config)
+    lock = claim_output_folder(config, plan, accelerator)
+    try:
+        run = assemble_run(config, plan, accelerator, pipe)
+    except BaseException:
+        if lock:
+            lock.release()
+        raise
+    run.lock = lock
+    return run
+
+
+def assemble_run(config: Config, plan: RunPlan, accelerator: Accelerator,
+                 pipe: StableDiffusionXLPipeline | None) -> Run:
+    """Everything `start_run` does once the output folder is locked."""
     import torch
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
@@ -128,8 +144,6 @@ def start_run(config: Config, plan: RunPlan, pipe: StableDiffusionXLPipeline | N
     from .optimizers import is_schedule_free, make_optimizer
     from .precision import plan_precision
 
-    accelerator = make_accelerator(config)
-    lock = claim_output_folder(config, plan, accelerator)
     state = plan.resume.snapshot if plan.resume else None
     seed = choose_seed(config, state, accelerator)
     set_seed(seed)
@@ -172,7 +186,7 @@ def start_run(config: Config, plan: RunPlan, pipe: StableDiffusionXLPipeline | N
     if accelerator.is_main_process:
         run.writer = open_writer(run, precision)
         run.evaluator = make_evaluator(run, cache, stand_ins)
-    run.lock, run.first_step, run.started, run.warmup_steps = lock, run.position.step, time.time(), warmup_steps
+    run.first_step, run.started, run.warmup_steps = run.position.step, time.time(), warmup_steps
     if state:  # from here on every process draws what it would have drawn next
         set_rng_state(state.rng[accelerator.process_index % len(state.rng)])
     run.stop, run.memory = StopRequest(), watch_memory(run)
@@ -674,6 +688,7 @@ def final_writes(run: Run, pipe: StableDiffusionXLPipeline, snapshot: TrainerSna
     if run.evaluator:
         yield "final eval"
         run.tally.invalid_final_images = run.evaluator.final(pipe, run.position.step, run.device)
+    yield "run summary"  # a stop during the last write is honoured too, as the message promised
 
 
 def interrupt_final(run: Run, pipe: StableDiffusionXLPipeline, snapshot: TrainerSnapshot, pending: str) -> int:

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .captions import caption_reader
+from .captions import MetadataCaptions, caption_reader
 from .config import DataConfig, FolderOptions
 from .scan_cache import inspect_images
 
@@ -37,6 +37,7 @@ class ScanReport:
     images: list[ImageRecord] = field(default_factory=list)
     skipped: list[tuple[Path, str]] = field(default_factory=list)
     missing_captions: list[Path] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)  # e.g. metadata.jsonl lines that name no image
     validation: list[ImageRecord] = field(default_factory=list)  # from data.validation_dir
 
 
@@ -70,13 +71,16 @@ def mask_file(image: Path, folder: FolderOptions) -> Path | None:
 
 def scan_folder(folder: FolderOptions, subset: int, data: DataConfig, report: ScanReport) -> list[ImageRecord]:
     """The usable images of one folder; skipped files and missing captions go into `report`."""
+    # First: a metadata.jsonl that cannot be used stops the scan before any image is decoded.
+    read_caption = caption_reader(folder, data.max_caption_bytes)
     paths, broken = find_images(Path(folder.image_dir), folder.recursive)
     report.skipped += broken
+    if isinstance(read_caption, MetadataCaptions):
+        report.warnings += read_caption.unmatched(paths + [path for path, _ in broken])
     masks = {path: mask_file(path, folder) for path in paths} if folder.mask_dir else {}
     mask_paths = [mask for mask in masks.values() if mask is not None]
     results = inspect_files(paths + mask_paths, data)
     checked = dict(zip(paths + mask_paths, results, strict=True))
-    read_caption = caption_reader(folder)
     records = []
     for path in paths:
         problem, mask, mask_path = None, ALPHA_MASK if folder.alpha_mask else "", path if folder.alpha_mask else None

@@ -4,8 +4,9 @@ only the files it has not seen (decoding 100k photos takes from minutes to an ho
 One JSON file per image folder, under `data.scan_cache_dir`, maps each file's absolute path to its
 size, mtime and inode when inspected and the `ImageCheck` found then. A file whose size, mtime or
 inode differs is inspected again, so an edit is never answered from the cache. The pixel limit is
-applied anew on each start, never cached. A damaged or unreadable cache file is ignored (and
-replaced). The file is rewritten only when something had to be inspected.
+applied anew on each start, never cached, and so is a file this user may not read (permissions
+change). A damaged or unreadable cache file is ignored (and replaced). The file is rewritten only
+when something had to be inspected.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from .atomic import OutputWriteError, remove_dead_temps, write_text
-from .images import ImageCheck, check_image
+from .images import UNREADABLE, ImageCheck, check_image
 
 FORMAT = "sdxl-trainer scan cache 1"
 # One list per field (columns parse faster than 100k small lists), each value of the listed types.
@@ -122,7 +123,8 @@ def load(cache_file: Path) -> dict[str, tuple[Stamp, ImageCheck]]:
 def _save(cache_file: Path, keys: list[str], stamps: list[Stamp], checks: list[ImageCheck | None],
           others: dict[str, tuple[Stamp, ImageCheck]]) -> None:
     """The entries of the files inspected so far, and `others`, written atomically."""
-    known = [(key, stamp, check) for key, stamp, check in zip(keys, stamps, checks, strict=True) if check is not None]
+    known = [(key, stamp, check) for key, stamp, check in zip(keys, stamps, checks, strict=True)
+             if check is not None and not (check.problem or "").startswith(UNREADABLE)]
     known += [(key, stamp, check) for key, (stamp, check) in others.items()]
     columns = {"path": [key for key, _, _ in known],
                **{name: [stamp[index] for _, stamp, _ in known] for index, name in enumerate(_STAMP_FIELDS)},

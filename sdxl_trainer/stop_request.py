@@ -1,7 +1,9 @@
-"""Ctrl-C and SIGTERM during training: finish the step, save a checkpoint, exit 130."""
+"""Ctrl-C and SIGTERM: before training, stop at once; during training, finish the step, save a
+checkpoint; either way exit 130."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -12,6 +14,32 @@ if TYPE_CHECKING:
 
 
 EXIT_INTERRUPTED = 130
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StartupStop:
+    """Ctrl-C / SIGTERM from the process's start to the first step, when there is nothing to save:
+    both raise KeyboardInterrupt at once (SIGTERM would otherwise end the process without a word
+    and leave the output folder's lock file behind), so every `finally` and the lock's release run
+    and the caller says so in one line. `signal` names the first one; an interrupted import can turn
+    the KeyboardInterrupt into another error (a RecursionError was seen), which counts as the same
+    stop. A repeat within `StopRequest.REPEAT_WINDOW_S` counts once, so the clean-up is not itself
+    interrupted."""
+
+    def __init__(self) -> None:
+        self.signal: str | None = None
+        self.at = 0.0
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal is not None and time.monotonic() - self.at < StopRequest.REPEAT_WINDOW_S:
+            return
+        self.signal, self.at = self.signal or signal.Signals(signum).name, time.monotonic()
+        raise KeyboardInterrupt
+
+    def restore(self) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
 
 class StopRequest:
@@ -29,9 +57,12 @@ class StopRequest:
         self.requested = False
         self.requested_at = 0.0
         self.action = "finishing this step and saving a checkpoint"  # what the first signal leads to
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+        self.pid = os.getpid()
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
 
     def _handle(self, signum, frame) -> None:
+        if os.getpid() != self.pid:  # a forked DataLoader worker: the main process answers for the run
+            return
         if self.requested:
             if time.monotonic() - self.requested_at < self.REPEAT_WINDOW_S:
                 return

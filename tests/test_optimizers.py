@@ -33,6 +33,31 @@ def optimizer_config(tmp_path: Path, kind: str, **training) -> dict:
                        training={"lr_unet": lr, "lr_text_encoder_1": lr, **training})
 
 
+def test_argument_values_must_have_the_type_of_the_constructors_default(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A string is truthy: "maybe" would switch AMSGrad on. Each value is checked against the type
+    of the constructor's default (a number may be an int, a tuple a list of its length)."""
+    for accepted in ({"amsgrad": True, "maximize": False}, {"foreach": None}):
+        check_optimizer(OptimizerConfig(type="adamw", args=accepted))
+    check_optimizer(OptimizerConfig(type="prodigy", args={"d_coef": 2, "slice_p": 11, "use_bias_correction": True}))
+    refused = [
+        ("adamw", "amsgrad", "maybe", 'optimizer.args.amsgrad = "maybe": must be true or false, as adamw\'s '
+                                        "default False is"),
+        ("adamw", "maximize", 1, "optimizer.args.maximize = 1: must be true or false"),
+        ("prodigy", "slice_p", 1.5, "optimizer.args.slice_p = 1.5: must be an integer, as prodigy's default 1 is"),
+        ("prodigy", "d_coef", "2", 'optimizer.args.d_coef = "2": must be a number'),
+        ("adafactor", "eps", [1e-30], "optimizer.args.eps = [1e-30]: must be a list of 2: a number, a number"),
+    ]
+    for kind, key, value, message in refused:
+        with pytest.raises(ConfigError) as caught:
+            check_optimizer(OptimizerConfig(type=kind, args={key: value}))
+        assert str(caught.value).startswith(message), caught.value
+    path = write_config(tmp_path / "c.json", tiny_config(tmp_path, optimizer={"type": "adamw",
+                                                                               "args": {"amsgrad": "maybe"}}))
+    assert train_sdxl.main(["--config", str(path), "--dry-run"]) == 2
+    assert capsys.readouterr().err.strip().startswith('error: optimizer.args.amsgrad = "maybe": must be true or false')
+
+
 @pytest.mark.parametrize("kind", NEW_OPTIMIZERS)
 def test_each_optimizer_lowers_the_loss_on_fixed_draws(kind: str, tmp_path: Path, tiny_sdxl_dir: Path) -> None:
     config = validate_config(optimizer_config(tmp_path, kind))

@@ -32,12 +32,14 @@ def job_config(tmp_path: Path) -> dict:
 class Job:
     """`train_sdxl.py --config <path> --set training.resume_from=latest`, the job script's one command."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, python_options: tuple[str, ...] = (), own_group: bool = False) -> None:
+        """`python_options` go to the interpreter (e.g. `-X importtime`); `own_group` starts it in a
+        process group of its own, which a terminal's Ctrl-C reaches as a whole (workers included)."""
         env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(
-            [sys.executable, str(ROOT / "train_sdxl.py"), "--config", str(path),
+            [sys.executable, *python_options, str(ROOT / "train_sdxl.py"), "--config", str(path),
              "--set", "training.resume_from=latest"],
-            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=own_group)
         self.stdout: list[str] = []
         self.stderr: list[str] = []  # tqdm rewrites its line with \r: read characters, not lines
         self.readers = [threading.Thread(target=self._drain, args=(stream, sink), daemon=True)

@@ -9,6 +9,7 @@ import errno
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -329,3 +330,262 @@ def test_damaged_inputs_are_named_plainly(tmp_path: Path) -> None:
     skipped = dict(scan_images(config.data).skipped)
     assert skipped == {images / "gone.png": f"broken symbolic link (to {images / 'deleted.png'})",
                        images / "notes.jpg": "not an image (PIL recognises no image format in it)"}
+
+
+def test_bad_paths_and_files_are_one_line_naming_the_key_or_file(
+        tmp_path: Path, tiny_sdxl_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    """A cache, TensorBoard or output folder that is a file, a run.name with NUL, and a config or
+    metadata.jsonl that is not UTF-8: exit 2 and one line each, from the dry run, nothing written."""
+    (tmp_path / "a_file").write_text("x")
+    afile = tmp_path / "a_file"
+    images = tmp_path / "images"
+    shutil.copytree(DATA_DIR, images)
+    (images / "metadata.jsonl").write_bytes(b'{"file_name": "a.png", "text": "ok"}\n{"file_name": "b.png", '
+                                            b'"text": "caf\xe9"}\n')
+    path = write_config(tmp_path / "c.json", tiny_config(tmp_path))
+    cases = {
+        ("data.text_cache.cache_dir", str(afile)): f"error: data.text_cache.cache_dir: {afile} is a file, not a folder",
+        ("data.latent_cache.cache_dir", str(afile)):
+            f"error: data.latent_cache.cache_dir: {afile} is a file, not a folder",
+        ("training.tensorboard.base_dir", str(afile)): f"error: training.tensorboard.base_dir: {afile / 'test_run'} "
+                                                      f"cannot be created: {afile} is a file, not a folder",
+        ("run.output_root", str(afile / "deeper")): f"error: run.output_root: {afile / 'deeper' / 'test_run'} cannot "
+                                                   f"be created: {afile} is a file, not a folder",
+        ("run.name", "a\u0000b"): 'run.name = "a\\u0000b": contains a NUL character',
+        ("data.image_dir", str(images)): None,  # with caption_source metadata, below
+    }
+    for (key, value), message in cases.items():
+        overrides = ["--set", f"{key}={json.dumps(value)}"]
+        if message is None:
+            overrides += ["--set", "data.caption_source=metadata"]
+            message = f"error: {images / 'metadata.jsonl'}, line 2: not UTF-8 text (byte 0xe9 at offset 35)"
+        assert train_sdxl.main(["--config", str(path), "--dry-run", *overrides]) == 2, key
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    latin1 = tmp_path / "latin1.json"
+    latin1.write_bytes(path.read_text().replace('"test_run"', '"caf\u00e9"').encode("latin-1"))
+    assert train_sdxl.main(["--config", str(latin1), "--dry-run"]) == 2
+    assert capsys.readouterr().err.strip().startswith(f"error: {latin1}: not UTF-8 text (byte 0xe9 at offset ")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "latents").exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where no folder can be created")
+def test_an_output_folder_that_cannot_be_created_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Refused by the pre-flight where the parent is not writable; as root (who may write
+    anywhere by permissions) by the start, before any model is loaded: exit 2, one line."""
+    path = write_config(tmp_path / "c.json", tiny_config(tmp_path, run={"name": "x", "output_root": "/proc/no/out"}))
+    assert train_sdxl.main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "/proc/no/out/x" in err, err
+    assert ("cannot be created in /proc (permission denied)" in err if os.geteuid() else
+            "error: cannot create the output folder /proc/no/out/x: No such file or directory" in err), err
+
+
+def test_unreadable_images_and_captions_are_skipped_with_their_reason(tmp_path: Path) -> None:
+    """A caption that cannot be read (a folder by its name; chmod 000 where not root) and an image
+    that cannot be read (chmod 000) are skipped with the reason, the rest of the folder used; an
+    unreadable image is not kept in the scan cache (it is read again once its permissions change)."""
+    from sdxl_trainer.scan import scan_images
+
+    images = tmp_path / "images"
+    shutil.copytree(DATA_DIR, images)
+    first, second = sorted(images.glob("*.png"))[:2]
+    first.with_suffix(".txt").unlink()
+    first.with_suffix(".txt").mkdir()
+    config = load_config(write_config(tmp_path / "c.json", tiny_config(tmp_path, data={
+        **tiny_config(tmp_path)["data"], "image_dir": str(images), "scan_cache_dir": str(tmp_path / "scan")})), [])
+    report = scan_images(config.data)
+    assert dict(report.skipped) == {first: f"caption {first.stem}.txt cannot be read (Is a directory)"}
+    assert len(report.images) == 17
+    if os.geteuid() == 0:
+        pytest.skip("chmod 000 does not stop root from reading: the permission case needs another user")
+    second.chmod(0)
+    second.with_suffix(".txt").chmod(0)
+    third = sorted(images.glob("*.png"))[2]
+    third.with_suffix(".txt").chmod(0)
+    skipped = dict(scan_images(config.data).skipped)
+    assert skipped[second] == "cannot open the file (Permission denied)"
+    assert skipped[third] == f"caption {third.stem}.txt cannot be read (Permission denied)"
+    second.chmod(0o644)
+    assert second not in dict(scan_images(config.data).skipped)
+
+
+def test_a_huge_caption_is_skipped_and_huge_repeats_are_refused(tmp_path: Path) -> None:
+    """A 100 MB caption file (sparse: nothing is written) is skipped with its reason, unread, as an
+    over-large image is; `repeats` of 1e12 is one line naming the key instead of a pre-flight that
+    never ends."""
+    from sdxl_trainer.scan import scan_images
+
+    images = tmp_path / "images"
+    shutil.copytree(DATA_DIR, images)
+    huge = sorted(images.glob("*.txt"))[0]
+    with huge.open("r+b") as handle:
+        handle.truncate(100 * 2**20)
+    config = load_config(write_config(tmp_path / "c.json", tiny_config(tmp_path, data={
+        **tiny_config(tmp_path)["data"], "image_dir": str(images), "caption_shuffle_prob": 0.5})), [])
+    report = scan_images(config.data)
+    assert dict(report.skipped) == {huge.with_suffix(".png"): f"caption {huge.name} is too long: 104,857,600 bytes "
+                                                              "is over data.max_caption_bytes=65536"}
+    assert len(report.images) == 17
+    raised = load_config(write_config(tmp_path / "r.json", tiny_config(tmp_path, data={
+        **tiny_config(tmp_path)["data"], "image_dir": str(images), "max_caption_bytes": 200 * 2**20})), [])
+    assert not scan_images(raised.data).skipped  # the limit is the user's to raise
+
+    subsets = {"image_dir": str(DATA_DIR)}
+    for repeats, accepted in ((10_000, True), (10_001, False), (1e12, False)):
+        config = tiny_config(tmp_path)
+        del config["data"]["image_dir"]
+        config["data"]["subsets"] = [{**subsets, "repeats": repeats}]
+        path = write_config(tmp_path / "s.json", config)
+        if accepted:
+            assert load_config(path, []).data.folders()[0].repeats == repeats
+            continue
+        with pytest.raises(ConfigError, match=r"data\.subsets\.0\.repeats = .*: must be at most 10,000: "):
+            load_config(path, [])
+
+
+def test_metadata_lines_for_missing_images_are_warned_and_unusable_masks_give_their_reasons(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A metadata.jsonl line naming no image is a warning naming the line (not silence); when every
+    image is skipped (here: every mask the wrong size) the error says why, not only "no readable images"."""
+    from PIL import Image
+
+    images = tmp_path / "images"
+    shutil.copytree(DATA_DIR, images)
+    names = sorted(path.name for path in images.glob("*.png"))
+    lines = [json.dumps({"file_name": name, "text": "a cross"}) for name in names]
+    lines.insert(2, json.dumps({"file_name": "shape_99.png", "text": "a typo"}))
+    (images / "metadata.jsonl").write_text("\n".join(lines) + "\n")
+    path = write_config(tmp_path / "c.json", tiny_config(tmp_path))
+    overrides = ["--set", f"data.image_dir={images}", "--set", "data.caption_source=metadata"]
+    assert train_sdxl.main(["--config", str(path), "--dry-run", *overrides]) == 0
+    report = capsys.readouterr().out
+    assert (f"  warning: {images / 'metadata.jsonl'}, line 3: no image 'shape_99.png' in {images}; the line is not "
+            "used") in report
+    assert report.count("warning: ") == 1 and "images: 18 usable, 0 skipped" in report
+
+    masks = tmp_path / "masks"
+    masks.mkdir()
+    for name in names:
+        Image.new("L", (32, 32), 255).save(masks / name)
+    assert train_sdxl.main(["--config", str(path), "--dry-run", "--set", f"data.mask_dir={masks}"]) == 2
+    err = capsys.readouterr().err.strip()
+    err = err[err.index("error: "):]  # after the scan's progress bar
+    first = Image.open(images / names[0]).size
+    assert err.startswith(f"error: data.image_dir: no readable images found in {DATA_DIR}; {names[0]}: mask "
+                          f"{masks / names[0]} is 32x32, the image {first[0]}x{first[1]}; "), err
+    assert err.endswith("; and 15 more skipped") and len(err.splitlines()) == 1
+
+
+def started_lines(job: Job) -> list[str]:
+    """What a process said on stderr, without progress bars and `-X importtime`'s lines."""
+    text = "".join(job.stderr).replace("\r", "\n")
+    return [line for line in text.splitlines()
+            if line.strip() and not line.startswith("import time:") and "it/s]" not in line and "s/it]" not in line
+            and not line.startswith("[transformers]")]
+
+
+def test_a_signal_before_the_first_step_is_one_line_exit_130_and_releases_the_lock(
+        tmp_path: Path, tiny_sdxl_dir: Path) -> None:
+    """Ctrl-C while the config's imports run (pydantic: they came before any handler), and SIGTERM
+    once the output folder is locked (the model loading and cache building): one line each, exit
+    130, no lock file, no temp file left."""
+    path = write_config(tmp_path / "c.json", tiny_config(tmp_path))
+    job = Job(path, python_options=("-X", "importtime"))
+    job.wait_for(lambda: re.search(r"\| +pydantic", "".join(job.stderr)), "the import of pydantic")
+    job.process.send_signal(signal.SIGINT)
+    assert job.finish() == 130
+    assert started_lines(job) == ["SIGINT: interrupted before training started; nothing was trained"], job.stderr
+
+    job = Job(path)
+    job.wait_for(lambda: "seed: " in "".join(job.stdout), "the lock")  # taken just before the seed is said
+    out = tmp_path / "out" / "test_run"
+    assert (out / ".trainer.lock").is_file()
+    job.process.send_signal(signal.SIGTERM)
+    assert job.finish() == 130
+    assert started_lines(job)[-1] == "SIGTERM: interrupted before training started; nothing was trained"
+    assert "Traceback" not in "".join(job.stderr)
+    assert not (out / ".trainer.lock").exists() and not list(tmp_path.rglob("*.tmp"))
+
+
+def test_ctrl_c_with_data_loader_workers_is_said_once(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
+    """A terminal's Ctrl-C reaches the whole process group, the DataLoader's forked workers too:
+    the main process alone answers it."""
+    config = tiny_config(tmp_path, training={"num_steps": STEPS, "checkpoint_every": 100, "log_every": 1})
+    config["data"]["num_workers"] = 2
+    job = Job(write_config(tmp_path / "c.json", config), own_group=True)
+    job.wait_for(lambda: job.steps_done() >= 1, "the first step")
+    os.killpg(job.process.pid, signal.SIGINT)
+    assert job.finish() == 130
+    err = "".join(job.stderr)
+    assert err.count("SIGINT: finishing this step and saving a checkpoint") == 1, err[-3000:]
+    assert "interrupted: checkpoint saved at step " in "".join(job.stdout)
+
+
+def test_a_stop_during_the_last_final_write_saves_a_checkpoint_as_it_says(
+        tmp_path: Path, tiny_sdxl_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """SIGTERM while the trainer state (the last final write without eval) is written: the message
+    says "then saving a checkpoint", so a checkpoint is saved and the exit is 130, not 0."""
+    import sdxl_trainer.checkpointing as checkpointing
+
+    path = write_config(tmp_path / "c.json", tiny_config(tmp_path, training={"num_steps": 2, "checkpoint_every": 100}))
+    out = tmp_path / "out" / "test_run"
+    real_save_state = checkpointing.save_state
+
+    def state_interrupted(where, *args, **kwargs):
+        if Path(where) == out / "trainer_state.pt":
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_save_state(where, *args, **kwargs)
+
+    monkeypatch.setattr(checkpointing, "save_state", state_interrupted)
+    capsys.readouterr()
+    assert train_sdxl.main(["--config", str(path)]) == 130
+    said = capsys.readouterr()
+    assert "SIGTERM: finishing the write in progress, then saving a checkpoint" in said.err
+    assert "interrupted during the final save, before the run summary" in said.out
+    assert [p.name for p in list_checkpoints(out / "checkpoints")] == ["checkpoint-2"]
+    assert json.loads((out / "run_summary.json").read_text())["status"] == "interrupted during the final save at step 2"
+
+
+def test_a_full_disk_before_the_first_step_is_one_line_with_the_os_reason(
+        tmp_path: Path, tiny_sdxl_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """The disk fills while the latent cache, the text cache or the TensorBoard folder is written:
+    exit 1, one line naming the file with the OS's reason, no lock file and no temp file left.
+    safetensors writes from Rust, so its write is replaced by one that fails as it does on a full
+    disk; TensorBoard's files are opened on /dev/full, where the kernel itself answers ENOSPC."""
+    import io
+
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    real_save_file, real_open = safetensors.torch.save_file, io.open
+    full = {"where": None}
+
+    def save_file_until_full(tensors, filename, *args, **kwargs):
+        if full["where"] is not None and Path(filename).is_relative_to(full["where"]):
+            Path(filename).write_bytes(b"half an entry")
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real_save_file(tensors, filename, *args, **kwargs)
+
+    def open_on_a_full_disk(file, *args, **kwargs):
+        name = "" if isinstance(file, int) else os.fsdecode(file)  # TensorBoard passes bytes
+        if full["where"] is not None and name.startswith(str(full["where"])):
+            file = "/dev/full"
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file_until_full)
+    monkeypatch.setattr(io, "open", open_on_a_full_disk)
+    path = write_config(tmp_path / "c.json", tiny_config(tmp_path))
+    for name, where in (("latents", tmp_path / "latents"), ("text", tmp_path / "text"),
+                        ("tensorboard", tmp_path / "tb" / "tensorboard")):
+        if name == "tensorboard" and not Path("/dev/full").exists():
+            continue
+        full["where"] = where
+        capsys.readouterr()
+        assert train_sdxl.main(["--config", str(path), "--set", f"run.name={name}"]) == 1, name
+        err = capsys.readouterr().err
+        line = err[err.index("error: "):].strip()
+        assert line.startswith(f"error: cannot write {where}") and "Traceback" not in err, err[-3000:]
+        assert line.endswith(" MiB free there)") and ": No space left on device (" in line and "\n" not in line, line
+        assert not (tmp_path / "out" / name / ".trainer.lock").exists()
+        assert not list(tmp_path.rglob("*.tmp"))

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from sdxl_trainer import scan_cache
 from sdxl_trainer.config import DataConfig
 from sdxl_trainer.images import check_image, inspect_image
 from sdxl_trainer.scan import scan_images
@@ -204,12 +205,20 @@ def test_scan_images_writes_the_cache_only_where_told(tmp_path: Path, monkeypatc
     assert len(list(Path().iterdir())) == 10  # nothing written beside the images
 
 
-def test_what_was_inspected_before_a_scan_stopped_is_kept(tmp_path: Path) -> None:
+def test_what_was_inspected_before_a_scan_stopped_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     paths = make_folder(tmp_path / "images")[:4]
-    stop = tmp_path / "images" / "c_directory.jpg"  # reading it raises, as a Ctrl-C would stop the scan
-    stop.mkdir()
+    stop = tmp_path / "images" / "c_stop.jpg"  # a Ctrl-C arrives while this one is inspected
+    stop.write_bytes(paths[0].read_bytes())
     cache = tmp_path / "cache"
-    with pytest.raises(IsADirectoryError):
+    real_check = scan_cache.check_image
+
+    def interrupted_at_stop(path: Path, max_pixels: int):
+        if path == stop:
+            raise KeyboardInterrupt
+        return real_check(path, max_pixels)
+
+    monkeypatch.setattr(scan_cache, "check_image", interrupted_at_stop)
+    with pytest.raises(KeyboardInterrupt):
         inspect_images([*paths[:2], stop, *paths[2:]], 50_000, cache, workers=1)
     keys = [str(path) for path in [*paths[:2], stop, *paths[2:]]]
     assert set(load(cache_path(keys, cache))) == {str(paths[0]), str(paths[1])}
