@@ -178,9 +178,11 @@ def measure(step: TrainerStep, batch: dict[str, Any], warmup: int, steps: int) -
     if step.device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(step.device)
         reserved = torch.cuda.max_memory_reserved(step.device)
+        requested = torch.cuda.memory_stats(step.device).get("requested_bytes.all.peak", peak)
     else:
-        peak = reserved = proc_status_kib("VmHWM") * 1024
-    return {"seconds": seconds, "peak_memory_GB": peak / 1e9, "peak_reserved_GB": reserved / 1e9}
+        peak = reserved = requested = proc_status_kib("VmHWM") * 1024
+    return {"seconds": seconds, "peak_memory_GB": peak / 1e9, "peak_requested_GB": requested / 1e9,
+            "peak_reserved_GB": reserved / 1e9}
 
 
 def run_mode(mode: str, args: argparse.Namespace, device, peak: float | None) -> list[dict[str, Any]]:
@@ -197,7 +199,7 @@ def run_mode(mode: str, args: argparse.Namespace, device, peak: float | None) ->
         for size in args.batch_sizes:
             row: dict[str, Any] = {"mode": label, "batch": size, "grad_ckpt": "on" if checkpointing else "off",
                                    "it_per_s": None, "images_per_s": None, "peak_memory_GB": None,
-                                   "peak_reserved_GB": None,
+                                   "peak_requested_GB": None, "peak_reserved_GB": None,
                                    "TFLOP_per_step": None, "achieved_TFLOPS": None, "MFU_percent": None, "status": "ok"}
             batch = latent_batch(size, latent_side)
             try:
@@ -217,6 +219,7 @@ def run_mode(mode: str, args: argparse.Namespace, device, peak: float | None) ->
             achieved = count / measured["seconds"] / 1e12
             row.update({"it_per_s": 1 / measured["seconds"], "images_per_s": size / measured["seconds"],
                         "peak_memory_GB": measured["peak_memory_GB"],
+                        "peak_requested_GB": measured["peak_requested_GB"],
                         "peak_reserved_GB": measured["peak_reserved_GB"], "TFLOP_per_step": count / 1e12,
                         "achieved_TFLOPS": achieved, "MFU_percent": 100 * achieved / peak if peak else None})
             if with_recompute:
@@ -256,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{what}; bf16 autocast (trained weights fp32), optimizer {args.optimizer}, UNet"
         f"{' + CLIP-L' if args.text_encoder else ''} trained, attention: PyTorch SDPA. {args.steps} timed steps "
         f"after {args.warmup} warm-up steps. peak_memory_GB: torch.cuda.max_memory_allocated over the timed steps "
-        "(weights, optimizer state and activations; CPU: the process's RSS high-water mark); peak_reserved_GB: "
+        "(weights, optimizer state and activations; CPU: the process's RSS high-water mark); peak_requested_GB: the "
+        "peak of the bytes asked for (before the allocator rounds them up to its blocks); peak_reserved_GB: "
         "torch.cuda.max_memory_reserved (what the caching allocator held). TFLOP_per_step: "
         "FlopCounterMode on one step with checkpointing off (model FLOPs, used for the checkpointed rows too). "
         f"MFU against {f'{peak:g} TFLOPS dense bf16' if peak else 'no known peak (pass --peak-tflops)'}."

@@ -596,7 +596,9 @@ def save_checkpoint(run: Run) -> Path | None:
         def write_state(path: Path) -> None:
             checkpointing.save_state(path, config, run.plan.soft, snapshot)
 
-        folder = checkpointing.save_checkpoint(config, full, run.trainable.on(full), run.position.step, write_state)
+        with run.memory.paused() if run.memory else contextlib.nullcontext():  # not in the memory plan
+            folder = checkpointing.save_checkpoint(config, full, run.trainable.on(full), run.position.step,
+                                                   write_state)
     accelerator.wait_for_everyone()
     return folder
 
@@ -679,12 +681,16 @@ def final_writes(run: Run, pipe: StableDiffusionXLPipeline, snapshot: TrainerSna
     from .outputs import save_final
 
     config, trainable = run.config, run.trainable.on(pipe)
+    writing = run.memory.paused if run.memory else contextlib.nullcontext
     yield "final weights"
-    save_final(config, pipe, trainable)
+    with writing():
+        save_final(config, pipe, trainable)
     yield "exports"
-    export_after_training(config, pipe, trainable)
+    with writing():
+        export_after_training(config, pipe, trainable)
     yield "trainer state"
-    checkpointing.save_state(config.state_path, config, run.plan.soft, snapshot)
+    with writing():
+        checkpointing.save_state(config.state_path, config, run.plan.soft, snapshot)
     if run.evaluator:
         yield "final eval"
         run.tally.invalid_final_images = run.evaluator.final(pipe, run.position.step, run.device)

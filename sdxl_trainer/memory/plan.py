@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from torch.autograd.graph import _engine_run_backward
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
@@ -125,6 +126,7 @@ class DeviceRules(TorchFunctionMode):
         super().__init__()
         self.device = device
         self.cast_weights: dict[int, torch.Tensor] = {}  # autocast's cache: trained weights cast once per region
+        self.in_backward = False
         self.handled = self.LOWER | {torch.Tensor.backward, F.scaled_dot_product_attention} | (
             self.CUDA_FP32 if device == "cuda" else frozenset())
 
@@ -132,13 +134,17 @@ class DeviceRules(TorchFunctionMode):
         kwargs = kwargs or {}
         if func not in self.handled:  # most calls: shape reads, views, elementwise ops
             return func(*args, **kwargs)
-        if func is torch.Tensor.backward:  # the mode stays active for the backward pass and its recomputes
-            self.cast_weights.clear()
-            tensor, *rest = args
-            if "gradient" in kwargs:
-                kwargs["grad_tensors"] = kwargs.pop("gradient")
-            with self:
-                return torch.autograd.backward(tensor, *rest, **kwargs)
+        if func is torch.Tensor.backward:  # a scalar loss's: the engine runs with this mode active, so
+            self.cast_weights.clear()       # that gradient checkpointing's recomputes follow the rules too
+            loss = args[0]
+            self.in_backward = True
+            try:
+                with self:
+                    _engine_run_backward((loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True,
+                                         accumulate_grad=True)
+            finally:
+                self.in_backward = False
+            return None
         if not torch.is_autocast_enabled("cpu"):
             self.cast_weights.clear()
         elif func in self.LOWER:
@@ -153,7 +159,9 @@ class DeviceRules(TorchFunctionMode):
         def cast(value):
             if not (isinstance(value, torch.Tensor) and value.is_floating_point()) or value.dtype == dtype:
                 return value
-            if value.is_leaf and value.requires_grad:
+            # Autocast keeps its casts until its region ends; each recompute is a region of its own,
+            # over before the backward pass goes on, so during backward nothing is kept.
+            if value.is_leaf and value.requires_grad and not self.in_backward:
                 key = id(value)
                 if key not in self.cast_weights:
                     self.cast_weights[key] = value.to(dtype)

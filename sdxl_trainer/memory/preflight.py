@@ -17,7 +17,7 @@ from .plan import MemoryPlan, StepShape, plan_memory
 if TYPE_CHECKING:
     from ..planning import RunPlan
 
-PLAN_FORMAT = 1  # bump when the planner counts differently: cached plans are then made again
+PLAN_FORMAT = 2  # bump when the planner counts differently: cached plans are then made again
 
 
 def size(count: int) -> str:
@@ -74,6 +74,9 @@ def memory_preflight(config: Config, plan: RunPlan, dry_run: bool) -> tuple[Memo
     except PlanSkipped as exc:
         return None, f"memory plan: skipped ({exc}); the run itself is unaffected"
     lines = [describe(memory, config)]
+    if plan.data.world_size > 1:
+        lines.append("  note: this is every process's peak; under FSDP the sharded weights, gradients and optimizer "
+                     "state are not divided among the processes in this plan")
     free = free_memory(device)
     if free is not None and memory.peak > free:
         remedies = ways_to_fit(config, shape, device, memory)
@@ -123,9 +126,10 @@ def ways_to_fit(config: Config, shape: StepShape, device: str, memory: MemoryPla
         remedies.append(Remedy("gradient checkpointing (model.use_gradient_checkpointing)",
                                {"model.use_gradient_checkpointing": True}))
     if shape.batch > 1:
-        remedies.append(Remedy(f"batch 1 with {shape.batch}x gradient accumulation (training.batch_size=1, "
+        key = "data.bucket.batch_size" if config.data.bucket.enabled else "training.batch_size"
+        remedies.append(Remedy(f"batch 1 with {shape.batch}x gradient accumulation ({key}=1, "
                                f"training.grad_accum_steps={shape.batch * config.training.grad_accum_steps})",
-                               {"training.batch_size": 1}))
+                               {"training.grad_accum_steps": shape.batch * config.training.grad_accum_steps}))
     if config.optimizer.type not in ("adamw8bit", "lion8bit", "adafactor"):
         remedies += [Remedy('8-bit AdamW (optimizer.type "adamw8bit")', {"optimizer.type": "adamw8bit"}),
                      Remedy('Adafactor (optimizer.type "adafactor")', {"optimizer.type": "adafactor"})]
@@ -139,7 +143,7 @@ def ways_to_fit(config: Config, shape: StepShape, device: str, memory: MemoryPla
         remedies.append(Remedy(f"rank {adapter.rank // 2} (adapter.rank)", {"adapter.rank": adapter.rank // 2}))
     for remedy in remedies:
         changed = _with_changes(config, remedy.changes)
-        batch = 1 if "training.batch_size" in remedy.changes else shape.batch
+        batch = 1 if "training.grad_accum_steps" in remedy.changes else shape.batch
         remedy.peak = cached_plan(changed, StepShape(batch, shape.height, shape.width, shape.eval_size), device).peak
     return sorted((r for r in remedies if r.peak < memory.peak), key=lambda r: r.peak)
 

@@ -9,6 +9,7 @@ holds Python, libraries and the data loader).
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,7 +18,7 @@ import torch
 from .tracker import LiveBytes
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Iterator
 
 OVER_PLAN = 1.10  # a measured peak this much above the plan is worth a warning
 
@@ -63,6 +64,23 @@ class PeakWatch:
         self.run_peak = max(self.run_peak, self.live.peak)
         self.live.reset_peak()
         return peaks
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Not counted: the copies that writes make (checkpoints, exports), which the plan leaves out.
+        The peak reached before stays in the run's peak."""
+        if self.device.type == "cuda":
+            self.run_peak = max(self.run_peak, torch.cuda.max_memory_allocated(self.device))
+        elif self.live is not None:
+            self.run_peak = max(self.run_peak, self.live.peak)
+            self.live.__exit__(None, None, None)
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+            elif self.live is not None:
+                self.live.__enter__()
 
     def stop(self) -> None:
         """Stop counting (the end of the run); the run's peak stays readable."""
