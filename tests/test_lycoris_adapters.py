@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 import debug_dora_weights
 import fix_dora_weights
 import train_sdxl
-from sdxl_trainer.adapters import PEFT_WEIGHT_NAME, load_adapter_weights
+from sdxl_trainer.adapter_kinds import PEFT_WEIGHT_NAME
+from sdxl_trainer.adapters import load_adapter_weights
 from sdxl_trainer.config import validate_config
 from sdxl_trainer.kohya_format import adapter_layers, kohya_module_name
 from sdxl_trainer.models import load_pipeline
