@@ -118,6 +118,7 @@ def test_the_page_answers_gradio_client(flow) -> None:
     assert Path(first[1]).read_bytes() != Path(later[1]).read_bytes()  # x_t changes with the timestep
 
 
+@pytest.mark.slow
 def test_a_real_browser_drives_the_page(flow, tmp_path: Path) -> None:
     """Headless chromium: choose a sample, move the timestep, pick a token; the images change."""
     pytest.importorskip("gradio")
@@ -234,6 +235,7 @@ def test_the_x0_estimate_is_close_to_the_clean_image_and_degrades_with_noise(wor
     assert psnr[100] > psnr[500] > psnr[900], psnr
 
 
+@pytest.mark.slow
 def test_the_demos_loss_is_the_training_steps_loss_on_a_masked_weighted_subset(tiny_sdxl_dir: Path,
                                                                                 tmp_path: Path) -> None:
     """Training's own step (`run.forward_backward`, its data loader and draws) and the demo on the

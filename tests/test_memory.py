@@ -78,6 +78,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_the_plan_matches_the_tracked_peak_of_a_real_run(case, tmp_path, tiny_sdxl_dir):
     """A real run on the CPU with training.memory_check "warn" measures its tensor peak as the plan
@@ -102,6 +103,7 @@ def test_the_plan_matches_the_tracked_peak_of_a_real_run(case, tmp_path, tiny_sd
     assert planned == pytest.approx(memory["planned_peak_bytes"] / 1e9, rel=1e-6)
 
 
+@pytest.mark.slow
 def test_a_run_that_does_not_fit_is_refused_with_what_would_make_it_fit(tmp_path, monkeypatch, capsys,
                                                                         tiny_sdxl_dir):
     """`refuse` stops before any weight is loaded (exit 2) and lists the changes that fit, each
@@ -128,6 +130,7 @@ def test_a_run_that_does_not_fit_is_refused_with_what_would_make_it_fit(tmp_path
     assert code == 0 and "  warning: the planned peak of" in out
 
 
+@pytest.mark.slow
 def test_a_plan_that_cannot_be_made_is_skipped_in_one_line(tmp_path, tiny_sdxl_dir):
     """A model whose config files cannot be read: the plan says why, the run is unaffected."""
     folder = tmp_path / "model"
