@@ -13,10 +13,15 @@ PYTHON := .venv/bin/python
 SETUP := $(PYTHON3) tools/setup_venv.py
 endif
 
-.PHONY: test lint docs quickstart demo bench setup setup-dev
+.PHONY: test test-fast lint docs quickstart demo bench setup setup-dev
 
 test: lint
 	$(PYTHON) -m pytest -q -n auto --dist loadfile
+
+# The inner development loop: every test not marked `slow` (none of those trains a model), in
+# one worker per core; CI runs everything (`make test`).
+test-fast: setup-dev
+	$(PYTHON) -m pytest -q -m "not slow" -n auto --dist loadfile
 
 lint: setup-dev
 	$(PYTHON) -m ruff check .

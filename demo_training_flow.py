@@ -65,7 +65,7 @@ def build_demo(models, samples: list[dict]):
         index = found.tokens.index(token) if token in found.tokens else 1
         return (found.input_image, found.noisy_image, found.predicted_image,
                 heatmap_overlay(found.input_image, found.heatmaps[index]),
-                f"timestep {found.timestep}: loss {found.loss:.4f}",
+                f"timestep {found.timestep}: loss {found.loss:.4f} (unweighted {found.sample_loss:.4f})",
                 gr.Dropdown(choices=found.tokens, value=found.tokens[index]))
 
     with gr.Blocks(title="SDXL training flow", analytics_enabled=False) as demo:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .adapters import DIFFUSERS_WEIGHT_NAME, PEFT_WEIGHT_NAME
+from .adapter_kinds import ALGORITHMS, DIFFUSERS_WEIGHT_NAME, WEIGHT_FILES, module_algorithm
 from .kohya_format import PREFIXES, kohya_module_name
 from .kohya_format import merged_weight as kohya_merged_weight
 from .tensor_reader import TensorReader
@@ -52,10 +52,10 @@ ROLES = {
     ".alpha": "alpha",
     ".dora_scale": "magnitude", ".lora_magnitude_vector.weight": "magnitude", ".lora_magnitude_vector": "magnitude",
 }
-LOKR_ROLES = ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2")
-LOHA_ROLES = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2")
-ROLES |= {f".{role}": role for role in (*LOKR_ROLES, *LOHA_ROLES)}  # one spelling in both formats
-_LYCORIS_SUFFIXES = {role: f".{role}" for role in (*LOKR_ROLES, *LOHA_ROLES)}
+# LyCORIS's algorithms name their factors alike in both formats (adapter_kinds: `file_roles`).
+_LYCORIS_ROLES = [role for name, kind in ALGORITHMS.items() if name != "lora" for role in kind.file_roles]
+_LYCORIS_SUFFIXES = {role: f".{role}" for role in _LYCORIS_ROLES}
+ROLES |= {suffix: role for role, suffix in _LYCORIS_SUFFIXES.items()}
 CANONICAL_SUFFIXES = {
     PEFT: {"down": ".lora_A.weight", "up": ".lora_B.weight", "alpha": ".alpha",
            "magnitude": ".lora_magnitude_vector.weight", **_LYCORIS_SUFFIXES},
@@ -100,9 +100,7 @@ class AdapterModule:
     @property
     def algorithm(self) -> str:
         """lora (DoRA included), lokr or loha, from the tensors' roles."""
-        if any(role in self.tensors for role in LOKR_ROLES):
-            return "lokr"
-        return "loha" if any(role in self.tensors for role in LOHA_ROLES) else "lora"
+        return module_algorithm(self.tensors)
 
     @property
     def factor_roles(self) -> list[str]:
@@ -402,7 +400,7 @@ def load_adapter_into(pipe: StableDiffusionXLPipeline, path: str | Path) -> int:
 
 
 def _trainer_files(folder: Path) -> list[Path]:
-    peft = [folder / name for name in (DIFFUSERS_WEIGHT_NAME, PEFT_WEIGHT_NAME) if (folder / name).is_file()]
+    peft = [folder / name for name in WEIGHT_FILES if (folder / name).is_file()]
     return peft + sorted(folder.glob("*" + KOHYA_SUFFIX))
 
 

@@ -1,7 +1,7 @@
 """DoRA / LoRA / LoKr / LoHa adapters through peft: which modules get them, attaching, and saving
 them in the diffusers/peft format that `pipe.load_lora_weights` loads exactly (docs/formats.md,
 'Adapter files: diffusers/peft'). diffusers loads no LoKr or LoHa adapter, so theirs is written
-under another name (`PEFT_WEIGHT_NAME`) in the same layout, for peft (and resuming) to load."""
+under another name (adapter_kinds.PEFT_WEIGHT_NAME) in the same layout, for peft (and resuming) to load."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .adapter_kinds import ADAPTER_KINDS, DIFFUSERS_WEIGHT_NAME, kind_of_peft_config
 from .atomic import FILE_MODE, reported_write_failures
 from .config import AdapterConfig
 
@@ -24,13 +25,11 @@ RESNET_AND_SAMPLERS = re.compile(
 )
 TEXT_ATTENTION = re.compile(r".*self_attn\.(q_proj|k_proj|v_proj|out_proj)")
 TEXT_MLP = re.compile(r".*mlp\.(fc1|fc2)")
-DIFFUSERS_WEIGHT_NAME = "pytorch_lora_weights.safetensors"
-PEFT_WEIGHT_NAME = "peft_adapter_weights.safetensors"
 
 
 def weight_file_name(adapter_type: str) -> str:
     """The adapter file of a run (and of each checkpoint): diffusers' name where diffusers loads it."""
-    return PEFT_WEIGHT_NAME if adapter_type in ("lokr", "loha") else DIFFUSERS_WEIGHT_NAME
+    return ADAPTER_KINDS[adapter_type].weight_file
 
 
 def unet_target_modules(unet: torch.nn.Module, targets: str | list[str]) -> list[str]:
@@ -68,22 +67,19 @@ def text_encoder_target_modules(text_encoder: torch.nn.Module, targets: str | li
 
 
 def peft_config(adapter: AdapterConfig, module: torch.nn.Module, names: list[str]):
-    """The peft config (LoraConfig, LoKrConfig or LoHaConfig) for exactly these modules, with conv
-    rank/alpha where configured. Every kind starts as a no-op (one factor zero), as LoRA does."""
+    """The peft config of the kind (`AdapterKind.peft_config`: LoraConfig, LoKrConfig, LoHaConfig)
+    for exactly these modules, with conv rank/alpha where configured. Every kind starts as a no-op
+    (one factor zero), as LoRA does."""
+    import peft
     import torch
-    from peft import LoHaConfig, LoKrConfig, LoraConfig
 
+    kind = ADAPTER_KINDS[adapter.type]
     convs = [name for name in names if isinstance(module.get_submodule(name), torch.nn.Conv2d)]
     rank_pattern = {re.escape(name): adapter.conv_rank for name in convs} if adapter.conv_rank else {}
     alpha_pattern = {re.escape(name): adapter.conv_alpha for name in convs} if adapter.conv_alpha else {}
-    common = {"r": adapter.rank, "target_modules": names, "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern}
-    if adapter.type == "lokr":
-        return LoKrConfig(**common, alpha=adapter.alpha, init_weights=True, decompose_factor=adapter.lokr_factor,
-                          decompose_both=adapter.lokr_decompose_both)
-    if adapter.type == "loha":
-        return LoHaConfig(**common, alpha=adapter.alpha, init_weights=True)
-    return LoraConfig(**common, lora_alpha=adapter.alpha, lora_dropout=adapter.dropout,
-                      use_dora=adapter.type == "dora", init_lora_weights=True)
+    return getattr(peft, kind.peft_config)(
+        r=adapter.rank, target_modules=names, rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
+        **{kind.alpha_field: adapter.alpha}, **kind.peft_options(adapter))
 
 
 def attach_adapter(module: torch.nn.Module, adapter: AdapterConfig, names: list[str]) -> None:
@@ -149,13 +145,13 @@ def adapter_metadata(module: torch.nn.Module) -> dict[str, Any]:
 def save_diffusers_adapter(output_dir: str | os.PathLike[str], components: dict[str, torch.nn.Module]) -> Path:
     """Write `pytorch_lora_weights.safetensors` (+ `lora_adapter_metadata`) atomically for the
     components that carry an adapter; `components` maps unet/text_encoder/text_encoder_2 to modules.
-    LoKr/LoHa adapters go to `PEFT_WEIGHT_NAME` instead, the same layout."""
+    Kinds diffusers does not load (LoKr, LoHa) go to their `AdapterKind.weight_file` instead, the same layout."""
     from diffusers import StableDiffusionXLPipeline
 
     layers = {f"{name}_lora_layers": adapter_state_dict(module, name) for name, module in components.items()}
     metadata = {f"{name}_lora_adapter_metadata": adapter_metadata(module) for name, module in components.items()}
-    kind = next(iter(components.values())).peft_config["default"].peft_type.value.lower()
-    destination = Path(output_dir) / weight_file_name(kind)
+    kind = kind_of_peft_config(next(iter(components.values())).peft_config["default"])
+    destination = Path(output_dir) / kind.weight_file
     destination.parent.mkdir(parents=True, exist_ok=True)
     with (reported_write_failures(destination),
           tempfile.TemporaryDirectory(prefix=".lora-", dir=destination.parent) as tmp):

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import outputs
+from .adapter_kinds import ADAPTER_KINDS
 from .atomic import atomic_dir, atomic_path
 from .config import Config, ConfigError
 
@@ -48,6 +49,10 @@ class Position:
 def identity(config: Config) -> dict[str, Any]:
     """Settings a resumed run must share with the run it continues (the weights depend on them)."""
     adapter = config.adapter
+    # The kind's own options and LoRA+ only where they apply: states saved before these keys still match.
+    own_options = [*ADAPTER_KINDS[adapter.type].own_options] if adapter.type in ADAPTER_KINDS else []
+    if adapter.loraplus_lr_ratio:
+        own_options.append("loraplus_lr_ratio")
     return {
         "model.id": config.model.id, "model.vae": config.model.vae,
         "model.train_text_encoder_1": config.model.train_text_encoder_1,
@@ -57,9 +62,7 @@ def identity(config: Config) -> dict[str, Any]:
         "adapter.targets": adapter.targets, "adapter.conv_rank": adapter.conv_rank,
         "adapter.conv_alpha": adapter.conv_alpha, "precision": config.precision,
         "optimizer.type": config.optimizer.type,
-    } | ({"adapter.lokr_factor": adapter.lokr_factor, "adapter.lokr_decompose_both": adapter.lokr_decompose_both}
-         if adapter.type == "lokr" else {}) | (  # only when used: states saved before these keys still match
-        {"adapter.loraplus_lr_ratio": adapter.loraplus_lr_ratio} if adapter.loraplus_lr_ratio else {})
+    } | {f"adapter.{key}": getattr(adapter, key) for key in own_options}
 
 
 def soft_settings(config: Config, data_plan, total_steps: int) -> dict[str, Any]:

@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .adapter_kinds import ADAPTER_KINDS, ADAPTER_TYPES, FULL_FINE_TUNE
+
 BUCKET_KEY = re.compile(r"^(\d+)x(\d+)$")
 MAX_REPEATS = 10_000  # subset repeats: an epoch is a list of every image times its repeats
 
@@ -87,10 +89,13 @@ class ModelConfig(Section):
 
 
 # ------------------------------------------------------------------------------------- adapter
+_KIND_WORDS = [kind.summary for kind in ADAPTER_KINDS.values()]
+
+
 class AdapterConfig(Section):
-    type: Literal["dora", "lora", "lokr", "loha", "none"] = Field(
-        "dora", description='Adapter kind: `dora`, `lora`, LyCORIS\'s `lokr` (Kronecker product) and `loha` '
-        '(Hadamard product), or `"none"` = full fine-tune of the selected components.'
+    type: Literal[ADAPTER_TYPES] = Field(  # the kinds of adapter_kinds.ADAPTER_KINDS, and "none"
+        "dora", description=f"Adapter kind: {', '.join(_KIND_WORDS[:-1])} and {_KIND_WORDS[-1]}, or "
+        f'`"{FULL_FINE_TUNE}"` = full fine-tune of the selected components.'
     )
     rank: PositiveInt = Field(16, description="Adapter rank.")
     alpha: float = Field(16.0, gt=0.0, description="Adapter alpha (scale = alpha / rank).")
@@ -115,9 +120,10 @@ class AdapterConfig(Section):
 
     @model_validator(mode="after")
     def _dropout_is_lora_only(self) -> AdapterConfig:
-        if self.loraplus_lr_ratio and self.type not in ("lora", "dora"):
+        kind = ADAPTER_KINDS.get(self.type)
+        if self.loraplus_lr_ratio and not (kind and kind.b_matrices):
             raise _KeyError("adapter.loraplus_lr_ratio", f"applies to LoRA's B matrices; {self.type} has none")
-        if self.type in ("lokr", "loha") and self.dropout:
+        if kind and not kind.input_dropout and self.dropout:
             raise _KeyError("adapter.dropout", f"is LoRA's input dropout; {self.type} has none (set 0)")
         if self.lokr_factor == 0 or self.lokr_factor < -1:
             raise _KeyError("adapter.lokr_factor", f"must be -1 or a positive integer, not {self.lokr_factor}")

@@ -310,10 +310,10 @@ def conditioning(models: LossModels, batch: dict, device) -> dict[str, torch.Ten
             "added_cond_kwargs": {"text_embeds": pooled_embeds, "time_ids": time_ids}}
 
 
-def weighted_loss(scheduler: DDPMScheduler, prediction: torch.Tensor, target: torch.Tensor,
-                  timesteps: torch.Tensor, settings: LossSettings, batch: dict | None = None) -> torch.Tensor:
-    """The batch's loss from the UNet's prediction: the configured loss per sample (masked where the
-    batch has `masks`), weighted by timestep and by each sample's `loss_weights`, averaged."""
+def sample_losses(scheduler: DDPMScheduler, prediction: torch.Tensor, target: torch.Tensor, timesteps: torch.Tensor,
+                  settings: LossSettings, batch: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sample's loss before and after its weights: the configured loss (masked where the batch
+    has `masks`), then times each sample's `loss_weights` and its timestep's weight."""
     batch = batch or {}
     device = prediction.device
     threshold = huber_c(scheduler, timesteps, settings) if settings.loss_type != "l2" else None
@@ -321,10 +321,17 @@ def weighted_loss(scheduler: DDPMScheduler, prediction: torch.Tensor, target: to
     if mask is not None:  # the unmasked part keeps `unmasked_weight`
         mask = settings.unmasked_weight + (1.0 - settings.unmasked_weight) * mask.to(device)
     per_sample = per_sample_loss(prediction, target, settings.loss_type, threshold, mask)
-    weights = loss_weights(scheduler, timesteps, settings)
+    weighted = per_sample
     if "loss_weights" in batch:  # subsets' and regularization weights (a weight of 1 changes no bit)
-        per_sample = per_sample * batch["loss_weights"].to(device).float()
-    return (per_sample * weights).mean() if weights is not None else per_sample.mean()
+        weighted = weighted * batch["loss_weights"].to(device).float()
+    weights = loss_weights(scheduler, timesteps, settings)
+    return per_sample, weighted * weights if weights is not None else weighted
+
+
+def weighted_loss(scheduler: DDPMScheduler, prediction: torch.Tensor, target: torch.Tensor,
+                  timesteps: torch.Tensor, settings: LossSettings, batch: dict | None = None) -> torch.Tensor:
+    """The batch's loss from the UNet's prediction: the mean of the weighted `sample_losses`."""
+    return sample_losses(scheduler, prediction, target, timesteps, settings, batch)[1].mean()
 
 
 def noised_input_and_target(scheduler: DDPMScheduler, latents: torch.Tensor, draws: Draws,
@@ -336,13 +343,35 @@ def noised_input_and_target(scheduler: DDPMScheduler, latents: torch.Tensor, dra
     return scheduler.add_noise(latents, input_noise, timesteps), training_target(scheduler, latents, noise, timesteps)
 
 
-def diffusion_loss(models: LossModels, scheduler: DDPMScheduler, batch: dict, draws: Draws, device,
-                   settings: LossSettings | None = None) -> torch.Tensor:
-    """The SDXL denoising loss of one batch: the UNet's prediction from the noised latents against
+@dataclass
+class DenoisingStep:
+    """One batch's denoising step and its pieces: `loss` is what training backpropagates; the
+    training-flow demo shows the rest, so it shows the step training takes, not a copy of it."""
+
+    latents: torch.Tensor  # the clean latents, scaled by the VAE's factor
+    noisy_latents: torch.Tensor  # x_t, the UNet's input
+    timesteps: torch.Tensor
+    prediction: torch.Tensor  # the UNet's output
+    target: torch.Tensor  # noise or velocity
+    sample_losses: torch.Tensor  # each sample's loss (masked), before any weight
+    weighted_losses: torch.Tensor  # ... times its subset's and its timestep's weight
+    loss: torch.Tensor  # their mean
+
+
+def denoising_step(models: LossModels, scheduler: DDPMScheduler, batch: dict, draws: Draws, device,
+                   settings: LossSettings | None = None) -> DenoisingStep:
+    """The SDXL denoising step of one batch: the UNet's prediction from the noised latents against
     its target (noise or velocity) in fp32, with the configured loss function and weights."""
     settings = settings or LossSettings()
     latents = scaled_latents(models.pipe.vae, batch, draws.posterior_noise, device)
     timesteps = draws.timesteps.to(device)
     noisy_latents, target = noised_input_and_target(scheduler, latents, draws, device)
     prediction = models.unet(noisy_latents, timesteps, **conditioning(models, batch, device)).sample
-    return weighted_loss(scheduler, prediction, target, timesteps, settings, batch)
+    per_sample, weighted = sample_losses(scheduler, prediction, target, timesteps, settings, batch)
+    return DenoisingStep(latents, noisy_latents, timesteps, prediction, target, per_sample, weighted, weighted.mean())
+
+
+def diffusion_loss(models: LossModels, scheduler: DDPMScheduler, batch: dict, draws: Draws, device,
+                   settings: LossSettings | None = None) -> torch.Tensor:
+    """The loss of one batch's `denoising_step` (training, validation loss, tests, benchmarks)."""
+    return denoising_step(models, scheduler, batch, draws, device, settings).loss

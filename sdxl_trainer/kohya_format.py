@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .adapter_kinds import kind_of_peft_config
 from .atomic import atomic_path
 from .sgm_keys import unet_sgm_key
 
@@ -62,8 +63,11 @@ def save_kohya_adapter(
     tensors: dict[str, torch.Tensor] = {}
     layers = []
     for component, module in components.items():
+        layer_tensors = LAYER_TENSORS[kind_of_peft_config(module.peft_config[ADAPTER]).algorithm]
         for module_path, layer in adapter_layers(module):
-            tensors.update(_layer_tensors(kohya_module_name(component, module_path, unet_config), layer))
+            name = kohya_module_name(component, module_path, unet_config)
+            tensors.update({key: tensor.detach().float().cpu().contiguous()
+                            for key, tensor in layer_tensors(name, layer).items()})
             layers.append(layer)
     if not layers:
         raise ValueError("no adapter layers to save")
@@ -79,21 +83,6 @@ def adapter_layers(module: torch.nn.Module) -> list[tuple[str, Any]]:
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     return [(name, layer) for name, layer in module.named_modules() if isinstance(layer, BaseTunerLayer)]
-
-
-def _layer_tensors(name: str, layer: Any) -> dict[str, torch.Tensor]:
-    from peft.tuners.loha import LoHaLayer
-    from peft.tuners.lokr import LoKrLayer
-
-    if isinstance(layer, LoKrLayer):
-        tensors = _lokr_tensors(name, layer)
-    elif isinstance(layer, LoHaLayer):
-        tensors = {f"{name}.{part}": getattr(layer, part)[ADAPTER]
-                   for part in ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")}
-        tensors[f"{name}.alpha"] = _scalar(layer.alpha[ADAPTER])
-    else:
-        tensors = _lora_tensors(name, layer)
-    return {key: tensor.detach().float().cpu().contiguous() for key, tensor in tensors.items()}
 
 
 def _scalar(value: float) -> torch.Tensor:
@@ -118,6 +107,13 @@ def _lokr_tensors(name: str, layer: Any) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _loha_tensors(name: str, layer: Any) -> dict[str, torch.Tensor]:
+    tensors = {f"{name}.{part}": getattr(layer, part)[ADAPTER]
+               for part in ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")}
+    tensors[f"{name}.alpha"] = _scalar(layer.alpha[ADAPTER])
+    return tensors
+
+
 def _lora_tensors(name: str, layer: Any) -> dict[str, torch.Tensor]:
     import torch
 
@@ -135,27 +131,24 @@ def _lora_tensors(name: str, layer: Any) -> dict[str, torch.Tensor]:
     return tensors
 
 
+# The genuinely new code of each algorithm (adapter_kinds.AdapterKind.algorithm): its peft layer's
+# tensors under their kohya/LyCORIS names.
+LAYER_TENSORS = {"lora": _lora_tensors, "lokr": _lokr_tensors, "loha": _loha_tensors}
+
+
 def _metadata(module: torch.nn.Module, layers: list[Any], title: str) -> dict[str, str]:
     """kohya's `ss_*` keys (A1111 reads `ss_base_model_version` to file the LoRA under SDXL) and
     modelspec, all strings. DoRA (with its output axis), LoKr and LoHa are declared as LyCORIS's."""
     import torch
 
     config = module.peft_config[ADAPTER]
-    algo = config.peft_type.value.lower()  # lora, lokr or loha
-    alpha = config.lora_alpha if algo == "lora" else config.alpha
-    network_args = {}
-    if algo == "lora" and config.use_dora:
-        network_args = {"algo": "lora", "dora_wd": "True", "wd_on_output": "True"}
-    elif algo == "lokr":
-        network_args = {"algo": "lokr", "factor": str(config.decompose_factor),
-                        "decompose_both": str(config.decompose_both)}
-    elif algo == "loha":
-        network_args = {"algo": "loha"}
+    kind = kind_of_peft_config(config)
+    alpha = getattr(config, kind.alpha_field)
+    network_args = kind.kohya_network_args(config)
     convs = [layer for layer in layers if isinstance(layer.get_base_layer(), torch.nn.Conv2d)]
     if convs:
         network_args["conv_dim"] = str(convs[0].r[ADAPTER])
-        conv_alpha = convs[0].lora_alpha[ADAPTER] if algo == "lora" else convs[0].alpha[ADAPTER]
-        network_args["conv_alpha"] = f"{conv_alpha:g}"
+        network_args["conv_alpha"] = f"{getattr(convs[0], kind.alpha_field)[ADAPTER]:g}"
     metadata = {
         "ss_network_module": "lycoris.kohya" if network_args.get("algo") else "networks.lora",
         "ss_network_dim": str(config.r),
@@ -199,3 +192,4 @@ def merged_weight(
         )
     norm = merged.flatten(1).norm(dim=1).reshape(dora_scale.shape)
     return merged * (dora_scale / norm)
+

@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from .adapter_kinds import ADAPTER_KINDS
+
 if TYPE_CHECKING:
     import torch
 
@@ -119,7 +121,8 @@ def plan_precision(config: Config, device: str, bf16_ok: bool | None = None) -> 
         compute = "fp32"
     if compute == "no":
         compute = "fp32"
-    if compute == "fp16" and config.adapter.type == "dora":
+    kind = ADAPTER_KINDS.get(config.adapter.type)
+    if compute == "fp16" and kind and kind.fp16_nan_risk:
         warnings.append(FP16_DORA_WARNING)
 
     full = config.adapter.type == "none"

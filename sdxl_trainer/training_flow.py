@@ -3,8 +3,9 @@
 For a sample of the training data at a chosen timestep: the image as training sees it (bucket
 resize, crop, flip, normalisation), the noised latents x_t (the training draws of that image,
 noise offset included, at that timestep), the UNet's estimate of the clean image x0, the loss
-training would compute there, and per-token cross-attention heatmaps. Everything comes from the
-code training runs (loading, precision policy, data, draws, conditioning, loss), under no_grad.
+training computes there, and per-token cross-attention heatmaps. Everything comes from the code
+training runs (loading, precision policy, data, draws), and the step itself is training's own
+`diffusion.denoising_step` (conditioning, autocast, mask, subset and timestep weights), under no_grad.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from .sigma_schedules import ZERO_SNR_LAST_ALPHA_BAR
 if TYPE_CHECKING:
     from diffusers import DDPMScheduler, StableDiffusionXLPipeline
 
+    from .precision import PrecisionPlan
+
 
 @dataclass
 class FlowModels:
@@ -33,6 +36,7 @@ class FlowModels:
     pipe: StableDiffusionXLPipeline
     scheduler: DDPMScheduler
     device: torch.device
+    precision: PrecisionPlan  # its autocast is the one training computes the loss under
 
 
 @dataclass
@@ -43,7 +47,8 @@ class FlowResult:
     input_image: Any  # np.ndarray
     noisy_image: Any
     predicted_image: Any
-    loss: float
+    loss: float  # the loss training computes for this sample at this timestep (its weights applied)
+    sample_loss: float  # the same before its subset's and its timestep's weight
     tokens: list[str]  # the caption's tokens, start and end tokens included
     heatmaps: torch.Tensor  # [tokens, height, width] in [0, 1]
     predicted_latents: torch.Tensor = field(repr=False)
@@ -76,10 +81,11 @@ def load_flow_models(config: Config, adapter: str | Path | None = None, device: 
     pipe = load_pipeline(config.model)
     if adapter is not None:  # the diffusers/peft file where a folder holds both formats
         load_adapter_into(pipe, adapter_files(adapter)[0][0])
-    place_pipeline(pipe, plan_precision(config, target.type), target)
+    precision = plan_precision(config, target.type)
+    place_pipeline(pipe, precision, target)
     scheduler = make_noise_scheduler(pipe.scheduler.config, config.training.prediction_type,
                                      config.training.zero_terminal_snr)
-    return FlowModels(config, pipe, scheduler, target)
+    return FlowModels(config, pipe, scheduler, target, precision)
 
 
 def pick_samples(config: Config, count: int) -> list[dict]:
@@ -158,18 +164,10 @@ def caption_tokens(pipe: StableDiffusionXLPipeline, caption: str) -> list[str]:
 
 
 def forward_at(models: FlowModels, sample: dict, timestep: int) -> FlowResult:
-    """The training forward step for `sample` at `timestep`, with what it shows."""
+    """The training step for `sample` at `timestep` (`diffusion.denoising_step`: the same draws,
+    conditioning, autocast, mask and weights as training), without gradients, with what it shows."""
     from .data import collate
-    from .diffusion import (
-        DrawSettings,
-        LossModels,
-        LossSettings,
-        conditioning,
-        noised_input_and_target,
-        sample_draws,
-        scaled_latents,
-        weighted_loss,
-    )
+    from .diffusion import DrawSettings, LossModels, LossSettings, denoising_step, sample_draws
     from .evaluation import decode_latents, fp32_vae
 
     config, pipe, scheduler, device = models.config, models.pipe, models.scheduler, models.device
@@ -179,16 +177,14 @@ def forward_at(models: FlowModels, sample: dict, timestep: int) -> FlowResult:
                          width // 8), DrawSettings.of(config.training, scheduler.config.num_train_timesteps))
     draws.timesteps = torch.tensor([timestep])
     with torch.no_grad():
-        latents = scaled_latents(pipe.vae, batch, draws.posterior_noise, device)
-        noisy, target = noised_input_and_target(scheduler, latents, draws, device)
-        with capture_cross_attention(pipe.unet) as records:
-            output = pipe.unet(noisy.to(pipe.unet.dtype), draws.timesteps.to(device),
-                               **conditioning(LossModels.of(pipe), batch, device)).sample.float()
-        loss = weighted_loss(scheduler, output, target, draws.timesteps.to(device), LossSettings.of(config.training))
-        x0 = predicted_original(scheduler, noisy, output, timestep)
+        with models.precision.autocast(), capture_cross_attention(pipe.unet) as records:
+            step = denoising_step(LossModels.of(pipe), scheduler, batch, draws, device,
+                                  LossSettings.of(config.training))
+        x0 = predicted_original(scheduler, step.noisy_latents, step.prediction.float(), timestep)
         tokens = caption_tokens(pipe, batch["captions"][0])
         vae = fp32_vae(pipe.vae)  # decoded as eval decodes: fp32, the VAE's own scaling factor
         picture = (batch["pixel_values"][0] / 2 + 0.5).clamp(0, 1).permute(1, 2, 0).numpy()
         heatmaps = token_heatmaps(records, (height // 8, width // 8), len(tokens)).cpu()
-        return FlowResult(timestep, picture, decode_latents(pipe, vae, noisy), decode_latents(pipe, vae, x0),
-                          float(loss), tokens, heatmaps, x0, decode_latents(pipe, vae, latents))
+        return FlowResult(timestep, picture, decode_latents(pipe, vae, step.noisy_latents),
+                          decode_latents(pipe, vae, x0), float(step.loss), float(step.sample_losses[0]), tokens,
+                          heatmaps, x0, decode_latents(pipe, vae, step.latents))

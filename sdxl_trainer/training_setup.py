@@ -21,7 +21,7 @@ class Trainable:
 
     modules: dict[str, torch.nn.Module]
     learning_rates: dict[str, float]
-    adapter_type: str  # "dora", "lora", "lokr", "loha" or "none"
+    adapter_type: str  # an `adapter.type`: a kind of adapter_kinds.ADAPTER_KINDS, or "none"
     loraplus_ratio: float | None = None  # LoRA+: the B matrices' learning rate multiple
 
     @property

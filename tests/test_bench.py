@@ -9,7 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import ROOT
+
+pytestmark = pytest.mark.slow  # each runs a benchmark script (make test-fast leaves them out)
 
 
 def run_bench(script: str, results: Path, *args: str) -> None:

@@ -73,6 +73,7 @@ def test_shipped_configs_are_valid() -> None:
         assert config.run.name, path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("change", "expected"),
     [
@@ -127,6 +128,7 @@ def test_set_overrides_parse_json_and_create_nested_keys(tmp_path: Path) -> None
         apply_override({}, "training.num_steps")
 
 
+@pytest.mark.slow
 def test_print_config_shows_derived_paths(tmp_path: Path) -> None:
     config = tiny_config(tmp_path)
     result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "c.json", config)),
@@ -139,6 +141,7 @@ def test_print_config_shows_derived_paths(tmp_path: Path) -> None:
     assert resolved["training"]["mixed_precision"] == "bf16"
 
 
+@pytest.mark.slow
 def test_unbuilt_option_is_refused_not_ignored(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     """The mechanism that keeps a not-yet-built option from being silently ignored."""
     import train_sdxl
@@ -167,6 +170,7 @@ def test_help_defers_heavy_imports() -> None:
     assert result.stdout.strip().splitlines()[-1] == "[]"
 
 
+@pytest.mark.slow
 def test_dry_run_prints_the_preflight_and_builds_no_model(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
     import subprocess
     import sys

@@ -384,6 +384,7 @@ def _poison(folder: Path, component: str, key: str, value: float) -> None:
     save_file(state, folder / component / f"{stem}.safetensors", metadata={"format": "pt"})
 
 
+@pytest.mark.slow
 def test_nonfinite_weights_are_refused_and_named(tiny_copy: Path, tmp_path: Path, capsys) -> None:
     # k_proj is fused into in_proj with q and v: the message must still name k_proj itself.
     _poison(tiny_copy, "text_encoder_2", "text_model.encoder.layers.2.self_attn.k_proj.weight", math.nan)
@@ -406,6 +407,7 @@ def test_nonfinite_weights_are_refused_and_named(tiny_copy: Path, tmp_path: Path
     assert torch.isnan(fused[hidden, 0]) and int(torch.isnan(fused).sum()) == 1  # first row of k
 
 
+@pytest.mark.slow
 def test_float16_overflow_is_refused_only_with_half(tiny_copy: Path, tmp_path: Path, capsys) -> None:
     _poison(tiny_copy, "vae", "decoder.conv_in.weight", 1e5)  # fine in fp32, inf in fp16 (max 65504)
     fp32, fp16 = tmp_path / "fp32.safetensors", tmp_path / "fp16.safetensors"
@@ -415,6 +417,7 @@ def test_float16_overflow_is_refused_only_with_half(tiny_copy: Path, tmp_path: P
     assert fp32.exists() and not fp16.exists()
 
 
+@pytest.mark.slow
 def test_existing_output_is_kept_without_overwrite(
     files: dict[bool, Path], tiny_sdxl_dir: Path, tmp_path: Path, capsys
 ) -> None:
@@ -428,6 +431,7 @@ def test_existing_output_is_kept_without_overwrite(
     assert out.read_bytes()[8:] != b"keep me" and load_file(out).keys() == load_file(files[False]).keys()
 
 
+@pytest.mark.slow
 def test_sharded_weights_and_the_diffusers_script_flags(
     files: dict[bool, Path], tiny_copy: Path, tmp_path: Path, capsys
 ) -> None:
@@ -451,6 +455,7 @@ def test_sharded_weights_and_the_diffusers_script_flags(
     assert got.keys() == want.keys() and all(torch.equal(got[k], v) for k, v in want.items())
 
 
+@pytest.mark.slow
 def test_usage_errors_are_one_line_and_exit_2(tiny_copy: Path, tmp_path: Path, capsys) -> None:
     missing = tmp_path / "no-such-model"
     result = run_cli("converttosdxl.py", "--model_path", str(missing), "--checkpoint_path", str(tmp_path / "x"))

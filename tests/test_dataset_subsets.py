@@ -207,6 +207,7 @@ def test_metadata_captions_reach_the_text_encoder(tmp_path: Path, pipe) -> None:
     assert pipe.tokenizer.decode(seen[0][0], skip_special_tokens=True) == "a photo of sks dog"
 
 
+@pytest.mark.slow
 def test_file_name_captions_and_a_bad_metadata_line(tmp_path: Path) -> None:
     folder = tmp_path / "named"
     folder.mkdir()
@@ -271,6 +272,7 @@ def make_subset_folders(root: Path) -> None:
         shutil.copy(path, root / "reg" / f"reg_{index}.png")
 
 
+@pytest.mark.slow
 def test_resume_with_subsets_repeats_reg_and_masks_is_bit_exact(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
     make_subset_folders(tmp_path / "data")
     straight = subsets_config(tmp_path / "straight", tmp_path / "data")
@@ -291,6 +293,7 @@ def test_resume_with_subsets_repeats_reg_and_masks_is_bit_exact(tmp_path: Path, 
     assert [key for key in first if not torch.equal(first[key], second[key])] == []
 
 
+@pytest.mark.slow
 def test_one_folder_as_a_subset_trains_exactly_as_data_image_dir(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
     plain = tiny_config(tmp_path / "plain", training={"num_steps": 3})
     as_subset = tiny_config(tmp_path / "subset", training={"num_steps": 3})

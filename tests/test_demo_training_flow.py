@@ -118,6 +118,7 @@ def test_the_page_answers_gradio_client(flow) -> None:
     assert Path(first[1]).read_bytes() != Path(later[1]).read_bytes()  # x_t changes with the timestep
 
 
+@pytest.mark.slow
 def test_a_real_browser_drives_the_page(flow, tmp_path: Path) -> None:
     """Headless chromium: choose a sample, move the timestep, pick a token; the images change."""
     pytest.importorskip("gradio")
@@ -232,3 +233,39 @@ def test_the_x0_estimate_is_close_to_the_clean_image_and_degrades_with_noise(wor
     psnr = {t: np.mean([forward_at(models, sample, t).x0_psnr() for sample, _, _ in scenes]) for t in (100, 500, 900)}
     assert psnr[100] >= X0_PSNR_AT_LEAST[100] and psnr[500] >= X0_PSNR_AT_LEAST[500], psnr
     assert psnr[100] > psnr[500] > psnr[900], psnr
+
+
+@pytest.mark.slow
+def test_the_demos_loss_is_the_training_steps_loss_on_a_masked_weighted_subset(tiny_sdxl_dir: Path,
+                                                                                tmp_path: Path) -> None:
+    """Training's own step (`run.forward_backward`, its data loader and draws) and the demo on the
+    same sample at the timestep training drew: the same loss to the bit, with the image's mask,
+    its subset's loss weight and min-SNR's timestep weight all in it."""
+    from sdxl_trainer.config import validate_config
+    from sdxl_trainer.planning import plan_run
+    from sdxl_trainer.run import epoch_batches, forward_backward, start_run
+    from tests.helpers import tiny_config
+    from tests.test_dataset_subsets import make_folder
+
+    make_folder(tmp_path / "masked", 2, "cut", alpha=True, size=(64, 64))
+    settings = tiny_config(tmp_path, model={"train_text_encoder_1": False}, adapter={"type": "none"},
+                           training={"lr_text_encoder_1": None, "snr_gamma": 5.0, "tensorboard": {"enabled": False}},
+                           data={"subsets": [{"image_dir": str(tmp_path / "masked"), "alpha_mask": True,
+                                              "loss_weight": 0.5}],
+                                 "latent_cache": {"enabled": False}, "text_cache": {"enabled": False},
+                                 "bucket": {"resolutions": [[64, 64]], "divisible_by": 32, "batch_size": 1}})
+    del settings["data"]["image_dir"]
+    config = validate_config(settings)
+    run = start_run(config, plan_run(config))
+    try:
+        batch = next(epoch_batches(run))
+        loss = forward_backward(run, batch)
+    finally:
+        run.stop.restore()
+        run.lock.release()
+    assert "masks" in batch and 0 < float(batch["masks"].mean()) < 1 and batch["loss_weights"].tolist() == [0.5]
+    (index, epoch), timestep = batch["keys"][0], run.tally.batch_timesteps[0]
+    assert epoch == 0
+    result = forward_at(load_flow_models(config), pick_samples(config, index + 1)[index], timestep)
+    assert result.loss == float(loss.detach())
+    assert result.sample_loss != result.loss  # the weights are in it, as in training

@@ -148,6 +148,7 @@ def module_keys(path: Path, damaged: set[str]) -> dict[str, torch.Tensor]:
 # --- clean files ---------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("file_format", [PEFT, KOHYA])
 def test_clean_adapters_are_reported_clean(run_output: Path, tmp_path: Path, file_format: str) -> None:
     path = adapter_path(run_output, file_format)
@@ -160,6 +161,7 @@ def test_clean_adapters_are_reported_clean(run_output: Path, tmp_path: Path, fil
     assert len(report["modules"]) == module_count(path)
 
 
+@pytest.mark.slow
 def test_own_loader_merges_both_formats_as_diffusers_does(run_output: Path, tiny_sdxl_dir: Path) -> None:
     judge = with_diffusers_lora(tiny_sdxl_dir, adapter_path(run_output, PEFT))
     judge.unload_lora_weights()  # the fused weights stay; the layers are plain again
@@ -259,6 +261,7 @@ def damaged(request, run_output: Path, tiny_sdxl_dir: Path, tmp_path_factory) ->
     return rewrite(adapter_path(run_output, file_format), folder / "adapter.safetensors", damage), expected
 
 
+@pytest.mark.slow
 def test_each_kind_of_damage_is_found_in_exactly_its_module(damaged, base_with_zero_row: Path, tmp_path: Path) -> None:
     path, expected = damaged
     base = str(base_with_zero_row)
@@ -267,6 +270,7 @@ def test_each_kind_of_damage_is_found_in_exactly_its_module(damaged, base_with_z
     assert debug(str(path), json_path=tmp_path / "without_base.json") == (1, without_base)
 
 
+@pytest.mark.slow
 def test_repaired_adapter_is_clean_loads_and_renders(damaged, base_with_zero_row: Path, tiny_sdxl_dir: Path,
                                                      capsys) -> None:
     path, expected = damaged
@@ -307,6 +311,7 @@ def test_repaired_adapter_is_clean_loads_and_renders(damaged, base_with_zero_row
 # --- the seed's commands, options and errors -----------------------------------------------------
 
 
+@pytest.mark.slow
 def test_seed_commands_run_unchanged_on_a_trainer_checkpoint(run_output: Path, tiny_sdxl_dir: Path,
                                                              tmp_path: Path) -> None:
     """The original tool's two repair commands for fp16 DoRA black images, word for word, on a
@@ -335,6 +340,7 @@ def test_seed_commands_run_unchanged_on_a_trainer_checkpoint(run_output: Path, t
     assert check_image(generate(pipe)) is None
 
 
+@pytest.mark.slow
 def test_from_checkpoint_restores_broken_modules(run_output: Path, tmp_path: Path) -> None:
     earlier = run_output / "checkpoints" / "checkpoint-1"
     nan_key = NAN_MODULE + ".lora_B.weight"
@@ -347,6 +353,7 @@ def test_from_checkpoint_restores_broken_modules(run_output: Path, tmp_path: Pat
         assert torch.equal(fixed[f"{NAN_MODULE}.{role}"], good[f"{NAN_MODULE}.{role}"])
 
 
+@pytest.mark.slow
 def test_dry_run_writes_nothing_and_in_place_keeps_a_backup(run_output: Path, tmp_path: Path, capsys) -> None:
     path = rewrite(adapter_path(run_output, KOHYA), tmp_path / "my_lora.safetensors",
                    lambda tensors: tensors.update({key: t.flatten() for key, t in tensors.items()
@@ -364,6 +371,7 @@ def test_dry_run_writes_nothing_and_in_place_keeps_a_backup(run_output: Path, tm
     assert "nothing to repair" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_magnitude_outliers_are_clamped_only_when_asked(run_output: Path, tmp_path: Path) -> None:
     key = ZERO_MAGNITUDE_MODULE + ".lora_magnitude_vector.weight"
     path = rewrite(adapter_path(run_output, PEFT), tmp_path / "a.safetensors", lambda tensors: tensors[key].mul_(50))
@@ -382,6 +390,7 @@ def test_magnitude_outliers_are_clamped_only_when_asked(run_output: Path, tmp_pa
     assert not analyse_file(tmp_path / "fixed.safetensors", base).damaged
 
 
+@pytest.mark.slow
 def test_unreadable_input_exits_2_with_one_line(tmp_path: Path, tiny_sdxl_dir: Path, capsys) -> None:
     (tmp_path / "junk.safetensors").write_bytes(b"not a safetensors file")
     (tmp_path / "model.ckpt").write_bytes(b"pickle")
@@ -394,6 +403,7 @@ def test_unreadable_input_exits_2_with_one_line(tmp_path: Path, tiny_sdxl_dir: P
             assert error.startswith("error: ") and str(path) in error and "\n" not in error
 
 
+@pytest.mark.slow
 def test_folders_resolve_to_the_trainer_files(run_output: Path, tmp_path: Path) -> None:
     files, _ = adapter_files(run_output)
     assert [p.name for p in files] == ["pytorch_lora_weights.safetensors", f"{RUN_NAME}_kohya.safetensors"]
@@ -468,6 +478,7 @@ def peak_rss_bytes(*args: str) -> tuple[int, int, str]:
     return result.returncode, peak_kb * 1024, result.stdout
 
 
+@pytest.mark.slow
 def test_scanning_a_large_file_needs_far_less_memory_than_its_size(run_output: Path, tmp_path: Path) -> None:
     big = tmp_path / "sdxl_dora_rank64.safetensors"
     size = write_sdxl_sized_dora(big, rank=64)

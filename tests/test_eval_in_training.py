@@ -7,10 +7,13 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from tests.helpers import ROOT, run_cli, tiny_config, write_config
+
+pytestmark = pytest.mark.slow  # every test here trains (make test-fast leaves them out)
 
 PROMPTS = str(ROOT / "tests" / "eval_prompts.three.json")
 

@@ -307,6 +307,7 @@ def _train(tmp_path: Path, latent_cache: Path, **sections) -> Path:
     return tmp_path / "out" / "test_run"
 
 
+@pytest.mark.slow
 def test_dora_run_on_a_single_file_base_exports_adapters_and_the_merged_single_file(
     tmp_path: Path, tiny_sdxl_dir: Path, latent_cache: Path
 ) -> None:
@@ -335,6 +336,7 @@ def test_dora_run_on_a_single_file_base_exports_adapters_and_the_merged_single_f
         assert reader.metadata()["modelspec.title"] == "test_run"
 
 
+@pytest.mark.slow
 def test_full_run_exports_its_pipeline_as_a_half_precision_single_file(
     tmp_path: Path, tiny_sdxl_dir: Path, latent_cache: Path
 ) -> None:

@@ -60,6 +60,7 @@ def one_process_run(tmp_path_factory: pytest.TempPathFactory, tiny_sdxl_dir: Pat
     return tmp_path / "out" / "test_run"
 
 
+@pytest.mark.slow
 def test_fsdp_saves_whole_weights_and_one_set_of_outputs(fsdp_run: Path, tiny_sdxl_dir: Path) -> None:
     base = load_file(tiny_sdxl_dir / UNET_FILE)
     for folder in (fsdp_run, fsdp_run / "checkpoints" / "checkpoint-2"):
@@ -72,6 +73,7 @@ def test_fsdp_saves_whole_weights_and_one_set_of_outputs(fsdp_run: Path, tiny_sd
     assert len(list((fsdp_run.parent.parent / "tb" / "test_run").glob("events.*"))) == 1
 
 
+@pytest.mark.slow
 def test_fsdp_matches_one_process_with_the_same_global_batch(fsdp_run: Path, one_process_run: Path,
                                                                tiny_sdxl_dir: Path) -> None:
     sharded, single = load_file(fsdp_run / UNET_FILE), load_file(one_process_run / UNET_FILE)
@@ -82,6 +84,7 @@ def test_fsdp_matches_one_process_with_the_same_global_batch(fsdp_run: Path, one
         torch.testing.assert_close(sharded[key], single[key], rtol=0, atol=2e-6)
 
 
+@pytest.mark.slow
 def test_fsdp_resume_reaches_the_uninterrupted_weights(fsdp_run: Path, tmp_path: Path) -> None:
     config = full_config(tmp_path, 1, resume_from=str(fsdp_run / "checkpoints" / "checkpoint-2"))
     result = launch_fsdp(write_config(tmp_path / "c.json", config))
@@ -91,6 +94,7 @@ def test_fsdp_resume_reaches_the_uninterrupted_weights(fsdp_run: Path, tmp_path:
     assert all(torch.equal(straight[key], again[key]) for key in straight)
 
 
+@pytest.mark.slow
 def test_one_process_checkpoint_continues_under_fsdp(one_process_run: Path, tmp_path: Path) -> None:
     """The optimizer state saved without sharding (keyed by position) is resharded by name. The
     launch also asks accelerate for bf16: ignored (fp32 is configured), or the weights would
@@ -104,6 +108,7 @@ def test_one_process_checkpoint_continues_under_fsdp(one_process_run: Path, tmp_
         torch.testing.assert_close(continued[key], single[key], rtol=0, atol=2e-6)
 
 
+@pytest.mark.slow
 def test_fsdp_checkpoint_continues_in_one_process(fsdp_run: Path, one_process_run: Path, tmp_path: Path) -> None:
     """The gathered optimizer state (keyed by name) loads into an unsharded optimizer."""
     config = full_config(tmp_path, 2, resume_from=str(fsdp_run / "checkpoints" / "checkpoint-2"))
@@ -114,6 +119,7 @@ def test_fsdp_checkpoint_continues_in_one_process(fsdp_run: Path, one_process_ru
         torch.testing.assert_close(continued[key], single[key], rtol=0, atol=2e-6)
 
 
+@pytest.mark.slow
 def test_fsdp_trains_bf16_weights_with_stochastic_rounding(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
     config = full_config(tmp_path, 1, num_steps=2, mixed_precision="bf16")
     config["model"]["weights_dtype"] = "bf16"
@@ -150,6 +156,7 @@ def test_fsdp_accepts_a_full_fine_tune_and_plain_launches_accept_adapters(tmp_pa
     check_launch(load_config(write_config(tmp_path / "dora.json", tiny_config(tmp_path))), {})
 
 
+@pytest.mark.slow
 def test_unsupported_fsdp_launch_stops_before_loading_with_exit_2(tmp_path: Path) -> None:
     config_path = write_config(tmp_path / "c.json", tiny_config(tmp_path))  # DoRA
     result = run_cli("train_sdxl.py", "--config", str(config_path), env=FSDP_ENV)

@@ -120,6 +120,7 @@ def test_rotated_and_tiny_images_are_planned_correctly(zoo: Path) -> None:
     assert "upscaled: 1 image(s) (up to 8.00x)" in plan.report()
 
 
+@pytest.mark.slow
 def test_a_run_over_damaged_data_proceeds_and_lists_what_it_skipped(zoo: Path, tmp_path: Path,
                                                                     tiny_sdxl_dir: Path) -> None:
     config = tiny_config(tmp_path, training={"num_steps": 2})

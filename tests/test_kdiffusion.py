@@ -101,6 +101,7 @@ def test_names_are_checked_with_a_did_you_mean_and_auto_picks_the_comfyui_path()
     assert eval_backend(EvalConfig(backend="diffusers", sampler_name="euler")) == "diffusers"
 
 
+@pytest.mark.slow
 def test_an_unknown_name_stops_the_run_before_any_model_loads(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     argv = ["--config", str(ROOT / "configs" / "quickstart.json"), "--dry-run",
             "--set", f"run.output_root={tmp_path}", "--set", "eval.sampler_name=dpmpp_2m_sde_hen"]
@@ -145,6 +146,7 @@ def test_same_seed_same_image_other_sampler_other_image(tiny_sdxl_dir: Path, tmp
     assert not np.array_equal(rendered["dpmpp_2m"][0], rendered["dpmpp_2m_sde_heun"][0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prediction", ["epsilon", "v_prediction"])
 def test_a_quickstart_run_evaluates_with_the_comfyui_sampler(tiny_sdxl_dir: Path, tmp_path: Path,
                                                               prediction: str) -> None:

@@ -152,6 +152,7 @@ def test_file_and_module_fingerprints_agree(tiny_sdxl_dir: Path, vae: Autoencode
     assert vae_fingerprint_from_files([weights]) == vae_fingerprint(vae.state_dict().values())
 
 
+@pytest.mark.slow
 def test_training_from_the_cache_never_runs_the_vae_encoder(tmp_path: Path, tiny_sdxl_dir: Path,
                                                             monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     import train_sdxl

@@ -53,6 +53,7 @@ def fine_tuned(tiny_sdxl_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return fine_tune(tmp_path_factory.mktemp("learning"))
 
 
+@pytest.mark.slow
 def test_the_pretrained_model_draws_what_its_prompts_say(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
     config = load_config(QUICKSTART)
     prompts = load_prompts(ROOT / "data" / "eval_prompts.world.json", 64, 64)
@@ -64,6 +65,7 @@ def test_the_pretrained_model_draws_what_its_prompts_say(tiny_sdxl_dir: Path, tm
     assert all(measured[part] >= floor for part, floor in PRETRAINED_AT_LEAST.items()), world.describe()
 
 
+@pytest.mark.slow
 def test_a_short_dora_fine_tune_keeps_the_prior_and_the_concepts_colours(fine_tuned) -> None:
     for group, floors in FINE_TUNED_AT_LEAST.items():
         assert all(fine_tuned[group][part] >= floor for part, floor in floors.items()), fine_tuned

@@ -136,6 +136,7 @@ def test_recipes_that_cannot_work_are_refused(tmp_path: Path) -> None:
             validate_config(tiny_config(tmp_path, training=training))
 
 
+@pytest.mark.slow
 def test_every_recipe_at_once_trains_and_resumes_bit_exactly(tmp_path: Path, tiny_sdxl_dir: Path,
                                                               capsys: pytest.CaptureFixture) -> None:
     recipe = {"loss_type": "huber", "huber_schedule": "exponential", "debiased_estimation": True, "snr_gamma": 5.0,

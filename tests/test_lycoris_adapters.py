@@ -17,7 +17,8 @@ from safetensors.torch import load_file, save_file
 import debug_dora_weights
 import fix_dora_weights
 import train_sdxl
-from sdxl_trainer.adapters import PEFT_WEIGHT_NAME, load_adapter_weights
+from sdxl_trainer.adapter_kinds import PEFT_WEIGHT_NAME
+from sdxl_trainer.adapters import load_adapter_weights
 from sdxl_trainer.config import validate_config
 from sdxl_trainer.kohya_format import adapter_layers, kohya_module_name
 from sdxl_trainer.models import load_pipeline
@@ -63,6 +64,7 @@ def peft_layers(trained: SimpleNamespace):
             yield kohya_module_name(component, path, unet_config), layer
 
 
+@pytest.mark.slow
 def test_lycoris_applies_our_file_as_peft_merged_weights(trained: SimpleNamespace) -> None:
     """Each module of our file, loaded by LyCORIS's own LokrModule/LohaModule and run forward,
     gives the output of the layer with peft's merged weight. (The forward, not LyCORIS 4.1.3's
@@ -108,6 +110,7 @@ def test_lycoris_applies_our_file_as_peft_merged_weights(trained: SimpleNamespac
         assert 0 < full_kron < len(list(peft_layers(trained)))
 
 
+@pytest.mark.slow
 def test_key_names_are_the_ones_comfyuis_sdxl_key_map_gives(trained: SimpleNamespace) -> None:
     """ComfyUI (comfy/lora.py `model_lora_keys_unet/clip`) maps `lora_unet_<sgm path with _>`,
     `lora_te1_text_model_…` (CLIP-L) and `lora_te2_text_model_…` (bigG); per module it reads
@@ -131,6 +134,7 @@ def test_key_names_are_the_ones_comfyuis_sdxl_key_map_gives(trained: SimpleNames
     assert len(modules) == len(list(peft_layers(trained)))
 
 
+@pytest.mark.slow
 def test_the_merged_single_file_is_the_base_plus_pefts_deltas(trained: SimpleNamespace, tiny_sdxl_dir: Path) -> None:
     config_dir = _config_only_copy(tiny_sdxl_dir, trained.tmp_path / "config-only")
     single = _from_single_file(trained.tmp_path / "out" / "safetensors" / "test_run.safetensors", config_dir)
@@ -147,6 +151,7 @@ def test_the_merged_single_file_is_the_base_plus_pefts_deltas(trained: SimpleNam
     assert compared == len(list(peft_layers(trained)))
 
 
+@pytest.mark.slow
 def test_lycoris_kohya_loader_finds_no_clip_l_module_under_current_transformers(trained: SimpleNamespace) -> None:
     """LyCORIS's kohya loader (`create_network_from_weights`, as kohya's scripts call it) looks the
     file's names up in the text encoders' module paths. transformers >= 5.6 (the pinned 5.23) has no
@@ -172,6 +177,7 @@ def test_lycoris_kohya_loader_finds_no_clip_l_module_under_current_transformers(
     assert loaded(renamed) == in_file
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("kind", "precision"), [("lokr", "no"), ("lokr", "bf16"), ("loha", "fp16")])
 def test_a_lycoris_run_resumes_bit_exactly(tmp_path: Path, tiny_sdxl_dir: Path, kind: str, precision: str) -> None:
     """Also under mixed precision, where the resumed fp32 adapter must pass the precision audit
@@ -189,6 +195,7 @@ def test_a_lycoris_run_resumes_bit_exactly(tmp_path: Path, tiny_sdxl_dir: Path, 
     assert expected.keys() == got.keys() and all(torch.equal(expected[key], got[key]) for key in expected)
 
 
+@pytest.mark.slow
 def test_the_doctor_reads_checks_and_repairs_lycoris_files(trained: SimpleNamespace, tmp_path: Path) -> None:
     path = trained.output / "test_run_kohya.safetensors"
     report = tmp_path / "report.json"
@@ -213,6 +220,7 @@ def test_the_doctor_reads_checks_and_repairs_lycoris_files(trained: SimpleNamesp
     assert all(torch.equal(fixed[key], trained.kohya[key]) for key in fixed if not key.startswith(module + "."))
 
 
+@pytest.mark.slow
 def test_lokr_with_ema_and_live_eval_keeps_two_processes_identical(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
     """DDP, EMA and eval treat a LoKr adapter as they treat LoRA: every rank holds the same weights
     at every step, the live eval renders valid images, and the final weights are the EMA's."""
@@ -309,6 +317,7 @@ def test_the_lokr_load_check_predicts_lycoris_on_every_full_size_sdxl_layer() ->
     assert len(failing[32, 16, False]) > 20
 
 
+@pytest.mark.slow
 def test_the_preflight_warns_where_lycoris_cannot_load_the_lokr_file(tmp_path: Path, tiny_sdxl_dir: Path,
                                                                       capsys) -> None:
     from bench.sdxl_arch import sdxl_modules

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
 import torch
 
 import train_sdxl
@@ -61,6 +62,7 @@ def test_cuda_rules_run_norms_in_fp32_and_attention_without_its_score_matrix():
         assert live.peak < tokens * tokens * 4 * 2  # one head's score matrix would not fit under it
 
 
+@pytest.mark.slow
 def test_a_run_that_does_not_fit_is_refused_with_what_would_make_it_fit(tmp_path, monkeypatch, capsys,
                                                                         tiny_sdxl_dir):
     """`refuse` stops before any weight is loaded (exit 2) and lists the changes that fit, each
@@ -87,6 +89,7 @@ def test_a_run_that_does_not_fit_is_refused_with_what_would_make_it_fit(tmp_path
     assert code == 0 and "  warning: the planned peak of" in out
 
 
+@pytest.mark.slow
 def test_a_plan_that_cannot_be_made_is_skipped_in_one_line(tmp_path, tiny_sdxl_dir):
     """A model whose config files cannot be read: the plan says why, the run is unaffected."""
     folder = tmp_path / "model"

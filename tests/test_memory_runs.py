@@ -18,6 +18,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_the_plan_matches_the_tracked_peak_of_a_real_run(case, tmp_path, tiny_sdxl_dir):
     """A real run on the CPU with training.memory_check "warn" measures its tensor peak as the plan

@@ -19,6 +19,8 @@ from safetensors.torch import load_file
 
 from tests.helpers import ROOT, accelerate_launch, free_port, run_cli, tiny_config, write_config
 
+pytestmark = pytest.mark.slow  # every test here trains (make test-fast leaves them out)
+
 PROMPTS = str(ROOT / "tests" / "eval_prompts.three.json")
 
 

@@ -33,6 +33,7 @@ def optimizer_config(tmp_path: Path, kind: str, **training) -> dict:
                        training={"lr_unet": lr, "lr_text_encoder_1": lr, **training})
 
 
+@pytest.mark.slow
 def test_argument_values_must_have_the_type_of_the_constructors_default(
         tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """A string is truthy: "maybe" would switch AMSGrad on. Each value is checked against the type
@@ -58,6 +59,7 @@ def test_argument_values_must_have_the_type_of_the_constructors_default(
     assert capsys.readouterr().err.strip().startswith('error: optimizer.args.amsgrad = "maybe": must be true or false')
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", NEW_OPTIMIZERS)
 def test_each_optimizer_lowers_the_loss_on_fixed_draws(kind: str, tmp_path: Path, tiny_sdxl_dir: Path) -> None:
     config = validate_config(optimizer_config(tmp_path, kind))
@@ -86,6 +88,7 @@ def test_each_optimizer_lowers_the_loss_on_fixed_draws(kind: str, tmp_path: Path
     assert after < before, (before, after)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", NEW_OPTIMIZERS)
 def test_each_optimizer_resumes_bit_exactly(kind: str, tmp_path: Path, tiny_sdxl_dir: Path) -> None:
     """6 steps straight, and 3 + 3 from the straight run's checkpoint at step 3."""
@@ -100,6 +103,7 @@ def test_each_optimizer_resumes_bit_exactly(kind: str, tmp_path: Path, tiny_sdxl
     assert expected.keys() == got.keys() and all(torch.equal(expected[key], got[key]) for key in expected), kind
 
 
+@pytest.mark.slow
 def test_averaged_weights_are_schedule_frees_eval_weights_and_training_weights_come_back_exactly() -> None:
     import schedulefree
 
@@ -120,6 +124,7 @@ def test_averaged_weights_are_schedule_frees_eval_weights_and_training_weights_c
     assert all(torch.equal(a, b) for a, b in zip(layer.parameters(), training, strict=True))
 
 
+@pytest.mark.slow
 def test_schedule_free_exports_its_averaged_weights(tmp_path: Path, tiny_sdxl_dir: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """x = y + (1 − 1/β1)(z − y) from the trained weights y and the optimizer's z at the end is what
@@ -165,6 +170,7 @@ def test_lora_plus_gives_the_b_matrices_the_ratio(tmp_path: Path, tiny_sdxl_dir:
         validate_config(tiny_config(tmp_path, adapter={"type": "loha", "loraplus_lr_ratio": 16}))
 
 
+@pytest.mark.slow
 def test_arguments_and_combinations_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     check_optimizer(OptimizerConfig(type="prodigy", args={"d_coef": 0.5}))
     with pytest.raises(ConfigError, match=r'args\.d_cof: not an argument of prodigy \(did you mean "d_coef"'):
@@ -180,6 +186,7 @@ def test_arguments_and_combinations_are_checked(tmp_path: Path, capsys: pytest.C
         in capsys.readouterr().out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", NEW_OPTIMIZERS)
 def test_two_processes_stay_identical(kind: str, tmp_path: Path, tiny_sdxl_dir: Path) -> None:
     """Under DDP every rank must hold the same weights (checked every step). Schedule-free switches

@@ -16,10 +16,13 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.helpers import ROOT, run_cli, tiny_config, write_config
 from tests.test_resume import final_weights
+
+pytestmark = pytest.mark.slow  # every test here trains (make test-fast leaves them out)
 
 STEPS, EVERY = 16, 8
 FRESH = "yet; starting a new run"

@@ -80,6 +80,7 @@ def start_writing(destination: Path, writers: list[subprocess.Popen]) -> tuple[s
     return process, Path(process.stdout.readline().strip())
 
 
+@pytest.mark.slow
 def test_a_start_removes_the_temps_of_dead_writers_in_the_caches_and_the_single_file_folder(
         tmp_path: Path, tiny_sdxl_dir: Path) -> None:
     """Caches and the single file's folder are shared between runs: a start removes the temps whose
@@ -112,6 +113,7 @@ def test_a_start_removes_the_temps_of_dead_writers_in_the_caches_and_the_single_
             process.wait()
 
 
+@pytest.mark.slow
 def test_the_checkpoint_is_chosen_once_the_lock_is_held(tmp_path: Path, tiny_sdxl_dir: Path,
                                                        capsys: pytest.CaptureFixture) -> None:
     """The pre-flight's choice is only shown: a checkpoint pruned before the lock is taken (another
@@ -142,6 +144,7 @@ def test_pruning_keeps_the_limit_and_never_the_checkpoint_being_resumed(tmp_path
     assert not leftovers(tmp_path)  # renamed aside, then deleted
 
 
+@pytest.mark.slow
 def test_kill_9_at_random_moments_leaves_nothing_behind_and_the_weights_exact(
         tmp_path: Path, tiny_sdxl_dir: Path, capsys: pytest.CaptureFixture) -> None:
     """Killed at random moments (mid-step, mid-checkpoint, mid-export), the next start cleans up
@@ -180,6 +183,7 @@ def test_kill_9_at_random_moments_leaves_nothing_behind_and_the_weights_exact(
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
 
 
+@pytest.mark.slow
 def test_a_stop_during_the_final_save_checkpoints_and_the_resume_finishes_it(
         tmp_path: Path, tiny_sdxl_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """SIGTERM arrives while the exports are written (with EMA on, so the checkpoint must hold the
@@ -221,6 +225,7 @@ def test_a_stop_during_the_final_save_checkpoints_and_the_resume_finishes_it(
     assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
 
 
+@pytest.mark.slow
 def test_a_full_disk_is_one_line_and_keeps_the_earlier_checkpoint(
         tmp_path: Path, tiny_sdxl_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """The disk fills while the second checkpoint's trainer state is written (torch.save's own
@@ -262,6 +267,7 @@ def test_a_full_disk_is_one_line_and_keeps_the_earlier_checkpoint(
     assert "Traceback" not in err and not leftovers(tmp_path / "out" / "final")
 
 
+@pytest.mark.slow
 def test_plans_without_a_full_batch_are_refused_and_the_batch_reported_is_what_batches_hold(
         tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     path = write_config(tmp_path / "c.json", tiny_config(tmp_path))
@@ -282,6 +288,7 @@ def test_plans_without_a_full_batch_are_refused_and_the_batch_reported_is_what_b
     assert f"global batch {'/'.join(str(size) for size in sorted(held))} = " in report
 
 
+@pytest.mark.slow
 def test_model_and_resume_inputs_are_checked_at_pre_flight_in_one_line(
         tmp_path: Path, tiny_sdxl_dir: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each is exit 2 and one line from the dry run, before any model or latent is loaded."""
@@ -332,6 +339,7 @@ def test_damaged_inputs_are_named_plainly(tmp_path: Path) -> None:
                        images / "notes.jpg": "not an image (PIL recognises no image format in it)"}
 
 
+@pytest.mark.slow
 def test_bad_paths_and_files_are_one_line_naming_the_key_or_file(
         tmp_path: Path, tiny_sdxl_dir: Path, capsys: pytest.CaptureFixture) -> None:
     """A cache, TensorBoard or output folder that is a file, a run.name with NUL, and a config or
@@ -369,6 +377,7 @@ def test_bad_paths_and_files_are_one_line_naming_the_key_or_file(
     assert not (tmp_path / "out").exists() and not (tmp_path / "latents").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc, where no folder can be created")
 def test_an_output_folder_that_cannot_be_created_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """Refused by the pre-flight where the parent is not writable; as root (who may write
@@ -444,6 +453,7 @@ def test_a_huge_caption_is_skipped_and_huge_repeats_are_refused(tmp_path: Path) 
             load_config(path, [])
 
 
+@pytest.mark.slow
 def test_metadata_lines_for_missing_images_are_warned_and_unusable_masks_give_their_reasons(
         tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """A metadata.jsonl line naming no image is a warning naming the line (not silence); when every
@@ -485,6 +495,7 @@ def started_lines(job: Job) -> list[str]:
             and not line.startswith("[transformers]")]
 
 
+@pytest.mark.slow
 def test_a_signal_before_the_first_step_is_one_line_exit_130_and_releases_the_lock(
         tmp_path: Path, tiny_sdxl_dir: Path) -> None:
     """Ctrl-C while the config's imports run (pydantic: they came before any handler), and SIGTERM
@@ -508,6 +519,7 @@ def test_a_signal_before_the_first_step_is_one_line_exit_130_and_releases_the_lo
     assert not (out / ".trainer.lock").exists() and not list(tmp_path.rglob("*.tmp"))
 
 
+@pytest.mark.slow
 def test_ctrl_c_with_data_loader_workers_is_said_once(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
     """A terminal's Ctrl-C reaches the whole process group, the DataLoader's forked workers too:
     the main process alone answers it."""
@@ -522,6 +534,7 @@ def test_ctrl_c_with_data_loader_workers_is_said_once(tmp_path: Path, tiny_sdxl_
     assert "interrupted: checkpoint saved at step " in "".join(job.stdout)
 
 
+@pytest.mark.slow
 def test_a_stop_during_the_last_final_write_saves_a_checkpoint_as_it_says(
         tmp_path: Path, tiny_sdxl_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """SIGTERM while the trainer state (the last final write without eval) is written: the message
@@ -547,6 +560,7 @@ def test_a_stop_during_the_last_final_write_saves_a_checkpoint_as_it_says(
     assert json.loads((out / "run_summary.json").read_text())["status"] == "interrupted during the final save at step 2"
 
 
+@pytest.mark.slow
 def test_a_full_disk_before_the_first_step_is_one_line_with_the_os_reason(
         tmp_path: Path, tiny_sdxl_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     """The disk fills while the latent cache, the text cache or the TensorBoard folder is written:

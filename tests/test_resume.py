@@ -50,6 +50,7 @@ def optimizer_tensors(state_path: Path) -> dict[str, torch.Tensor]:
             if isinstance(value, torch.Tensor)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("adapter_type", ["dora", "none"])
 def test_stop_and_resume_gives_bit_identical_weights(tmp_path: Path, tiny_sdxl_dir: Path, adapter_type: str) -> None:
     straight = resumable_config(tmp_path / "straight", adapter_type)
@@ -74,6 +75,7 @@ def test_stop_and_resume_gives_bit_identical_weights(tmp_path: Path, tiny_sdxl_d
     assert all(torch.equal(first_opt[key], second_opt[key]) for key in first_opt)
 
 
+@pytest.mark.slow
 def test_a_crash_while_writing_keeps_the_previous_checkpoint(tmp_path: Path, tiny_sdxl_dir: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     import train_sdxl
@@ -103,6 +105,7 @@ def test_a_crash_while_writing_keeps_the_previous_checkpoint(tmp_path: Path, tin
     assert summary["status"] == "completed" and summary["steps"] == 6
 
 
+@pytest.mark.slow
 def test_sigkill_at_any_moment_leaves_loadable_checkpoints(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
     config = tiny_config(tmp_path, training={"num_steps": 400, "checkpoint_every": 1, "checkpoints_total_limit": 3})
     path = write_config(tmp_path / "c.json", config)
@@ -131,6 +134,7 @@ def test_sigkill_at_any_moment_leaves_loadable_checkpoints(tmp_path: Path, tiny_
     assert f"at step {latest} " in result.stdout
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_and_prints_a_working_resume_command(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
     config = tiny_config(tmp_path, training={"num_steps": 40, "checkpoint_every": 1000})
     path = write_config(tmp_path / "c.json", config)
@@ -173,6 +177,7 @@ def test_a_repeated_signal_is_one_request_and_a_later_press_exits_at_once(monkey
         stop.restore()
 
 
+@pytest.mark.slow
 def test_resume_refuses_another_rank_and_warns_about_another_length(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
     config = tiny_config(tmp_path, training={"num_steps": 4, "checkpoint_every": 2,
                                              "lr_scheduler": {"type": "linear_decay", "warmup_steps": 1}})
@@ -200,6 +205,7 @@ def test_resume_refuses_another_rank_and_warns_about_another_length(tmp_path: Pa
     assert all(torch.equal(first[key], second[key]) for key in first)
 
 
+@pytest.mark.slow
 def test_a_changed_learning_rate_and_weight_decay_apply_on_resume(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
     """Users lower the rate mid-run to tame a divergence: the config's values win over the
     checkpoint's, the start says so, and the weights differ from a resume without the change."""
@@ -239,6 +245,7 @@ def finished_run(tmp_path: Path, **training) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_latest_on_a_completed_run_says_so_and_touches_nothing(tmp_path: Path, tiny_sdxl_dir: Path,
                                                                capsys: pytest.CaptureFixture) -> None:
     path = finished_run(tmp_path, num_steps=4)
@@ -255,6 +262,7 @@ def test_latest_on_a_completed_run_says_so_and_touches_nothing(tmp_path: Path, t
     assert after == files and {file: (file.stat().st_mtime_ns, file.read_bytes()) for file in after} == before
 
 
+@pytest.mark.slow
 def test_latest_passes_over_a_damaged_newest_checkpoint(tmp_path: Path, tiny_sdxl_dir: Path,
                                                         capsys: pytest.CaptureFixture) -> None:
     path = finished_run(tmp_path, num_steps=6)

@@ -37,6 +37,7 @@ def train(tmp_path: Path, cache_on: bool, model: dict, data: dict, **training) -
     return tmp_path / "out" / "test_run", result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("model", "data", "cached"), [
     (FROZEN, {}, "text_encoder cached, text_encoder_2 cached"),
     ({}, {}, "text_encoder_2 cached, text_encoder live (trained)"),
@@ -60,6 +61,7 @@ def test_cached_runs_train_bit_identical_weights(tmp_path: Path, tiny_sdxl_dir: 
     assert [key for key in first if not torch.equal(first[key], second[key])] == []
 
 
+@pytest.mark.slow
 def test_resume_with_the_cache_is_bit_exact(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
     straight, _ = train(tmp_path / "straight", True, {}, AUGMENTED, num_steps=6, checkpoint_every=3)
     checkpoint = straight / "checkpoints" / "checkpoint-3"
@@ -71,6 +73,7 @@ def test_resume_with_the_cache_is_bit_exact(tmp_path: Path, tiny_sdxl_dir: Path)
     assert [key for key in first if not torch.equal(first[key], second[key])] == []
 
 
+@pytest.mark.slow
 def test_dry_run_counts_hits_and_an_edited_caption_misses_for_its_image_only(tmp_path: Path,
                                                                               tiny_sdxl_dir: Path) -> None:
     images = tmp_path / "images"

@@ -26,6 +26,7 @@ def fixed_batch(config) -> dict:
     return dataset.collate([images[(index, 0)] for index in square])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("adapter_type", "lr"), [("dora", 1e-2), ("none", 1e-4)])
 def test_loss_at_fixed_noise_and_timesteps_falls(tmp_path: Path, tiny_sdxl_dir: Path, adapter_type: str, lr: float):
     config = validate_config(tiny_config(
@@ -66,6 +67,7 @@ def dora_run(tmp_path_factory: pytest.TempPathFactory, tiny_sdxl_dir: Path) -> P
     return tmp_path
 
 
+@pytest.mark.slow
 def test_dora_run_writes_the_output_contract(dora_run: Path) -> None:
     output = dora_run / "out" / "test_run"
     assert (output / "pytorch_lora_weights.safetensors").is_file()
@@ -77,6 +79,7 @@ def test_dora_run_writes_the_output_contract(dora_run: Path) -> None:
     assert not [p for p in output.rglob("*") if p.name.startswith(".")], "temporary files left behind"
 
 
+@pytest.mark.slow
 def test_dora_output_loads_in_diffusers_and_generates(dora_run: Path, tiny_sdxl_dir: Path) -> None:
     from diffusers import StableDiffusionXLPipeline
 
@@ -94,6 +97,7 @@ def test_dora_output_loads_in_diffusers_and_generates(dora_run: Path, tiny_sdxl_
     assert torch.isfinite(torch.from_numpy(image)).all()
 
 
+@pytest.mark.slow
 def test_tensorboard_event_file_holds_the_training_scalars(dora_run: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -109,6 +113,7 @@ def test_tensorboard_event_file_holds_the_training_scalars(dora_run: Path) -> No
     assert "_hparams_/session_start_info" in events.PluginTagToContent("hparams")
 
 
+@pytest.mark.slow
 def test_same_seed_gives_identical_weights(tmp_path: Path, dora_run: Path) -> None:
     from safetensors.torch import load_file
 
@@ -121,6 +126,7 @@ def test_same_seed_gives_identical_weights(tmp_path: Path, dora_run: Path) -> No
     assert all(torch.equal(first[key], second[key]) for key in first)
 
 
+@pytest.mark.slow
 def test_full_fine_tune_output_loads_with_from_pretrained(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
     from diffusers import StableDiffusionXLPipeline
 

@@ -149,6 +149,7 @@ def test_lr_factors_equal_their_closed_form() -> None:
         assert lr_factor(step, restarts, total) == pytest.approx(factor), step
 
 
+@pytest.mark.slow
 def test_the_configured_schedule_drives_every_param_group(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -184,6 +185,7 @@ def test_ema_equals_the_closed_form_average_of_recorded_weights() -> None:
     assert torch.equal(param.detach(), torch.tensor([5.0, -10.0, 0.5]))
 
 
+@pytest.mark.slow
 def test_ema_run_saves_the_averaged_weights(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
     plain = tiny_config(tmp_path / "plain", training={"num_steps": 4})
     averaged = tiny_config(tmp_path / "ema", training={"num_steps": 4, "ema_update_every": 1},
@@ -226,6 +228,7 @@ def fixed_batch_loss_drop(tmp_path: Path, optimizer_type: str, gradient_checkpoi
     return before.item(), loss().item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer_type", ["adamw8bit", "adamw", "adafactor"])
 def test_each_optimizer_reduces_the_loss(tmp_path: Path, tiny_sdxl_dir: Path, optimizer_type: str) -> None:
     before, after = fixed_batch_loss_drop(tmp_path, optimizer_type)
@@ -286,6 +289,7 @@ def test_caption_dropout_feeds_the_zero_unconditional_embedding(tiny_sdxl_dir: P
 ZERO_INITIALISED = {"dora": {"lora_B"}, "lora": {"lora_B"}, "lokr": {"lokr_w1", "lokr_w1_a"}, "loha": {"hada_w2_b"}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["no", "bf16", "fp16"])
 @pytest.mark.parametrize("kind", ["dora", "lora", "lokr", "loha"])
 def test_every_adapter_kind_trains_and_exports_in_every_precision(tmp_path: Path, tiny_sdxl_dir: Path, capsys,
@@ -315,6 +319,7 @@ def test_every_adapter_kind_trains_and_exports_in_every_precision(tmp_path: Path
     assert merged and all(torch.isfinite(tensor).all() for tensor in merged.values())
 
 
+@pytest.mark.slow
 def test_full_bf16_weights_train_with_stochastic_rounding(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
     config = tiny_config(tmp_path, adapter={"type": "none"}, model={"weights_dtype": "bf16"},
                          training={"num_steps": 2, "mixed_precision": "bf16", "lr_unet": 1e-4})
@@ -348,6 +353,7 @@ def all_saved_tensors_finite(folder: Path) -> bool:
     return all(torch.isfinite(t).all() for f in files for t in load_file(f).values())
 
 
+@pytest.mark.slow
 def test_nan_abort_reports_the_batch_and_saves_nothing_non_finite(tmp_path: Path, tiny_sdxl_dir: Path,
                                                                   monkeypatch, capsys) -> None:
     poisoned(monkeypatch, "shape_03")
@@ -363,6 +369,7 @@ def test_nan_abort_reports_the_batch_and_saves_nothing_non_finite(tmp_path: Path
     assert any("shape_03.png" in path for path in summary["nan_events"][0]["files"])
 
 
+@pytest.mark.slow
 def test_nan_skip_continues_and_too_many_skips_abort(tmp_path: Path, tiny_sdxl_dir: Path, monkeypatch,
                                                      capsys) -> None:
     poisoned(monkeypatch, "shape_03")
@@ -380,6 +387,7 @@ def test_nan_skip_continues_and_too_many_skips_abort(tmp_path: Path, tiny_sdxl_d
     assert summary["status"] == "aborted: non-finite loss or gradients"
 
 
+@pytest.mark.slow
 def test_fp16_dora_with_a_huge_learning_rate_aborts_cleanly(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
     config = tiny_config(tmp_path, training={"num_steps": 40, "mixed_precision": "fp16", "lr_unet": 1e4,
                                              "lr_text_encoder_1": 1e4, "checkpoint_every": 1})
@@ -391,6 +399,7 @@ def test_fp16_dora_with_a_huge_learning_rate_aborts_cleanly(tmp_path: Path, tiny
     assert not (output / "pytorch_lora_weights.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_attention_backend_is_chosen_and_a_missing_package_is_a_config_error(tmp_path: Path,
                                                                              tiny_sdxl_dir: Path) -> None:
     config = tiny_config(tmp_path, model={"attention": "flash"})

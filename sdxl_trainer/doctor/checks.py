@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..adapter_files import KOHYA, AdapterFileError, AdapterModule, canonical_key, channel_norms
+from ..adapter_kinds import ALGORITHMS
 
 if TYPE_CHECKING:
     import torch
@@ -36,12 +37,6 @@ NAMES = "leftover names"
 UNUSABLE = "unusable module"
 # Damage an earlier checkpoint's copy of the module can replace (shape and names are rewritten,
 # a zero-norm row is the base model's).
-# Per algorithm, the factors a module needs (each: one of these roles).
-REQUIRED = {
-    "lora": [("down",), ("up",)],
-    "lokr": [("lokr_w1", "lokr_w1_b"), ("lokr_w2", "lokr_w2_b")],
-    "loha": [("hada_w1_a",), ("hada_w1_b",), ("hada_w2_a",), ("hada_w2_b",)],
-}
 RESTORABLE = {NON_FINITE, MAGNITUDE_NON_FINITE, ZERO_MAGNITUDE, OUTLIER, FP16_OVERFLOW, UNUSABLE}
 
 
@@ -81,7 +76,8 @@ def check_module(module: AdapterModule, base: BaseWeights | None) -> list[Findin
 
 def _unusable(module: AdapterModule, base: BaseWeights | None) -> str | None:
     """Why no loader can use this module at all, if so."""
-    missing = [role for role in REQUIRED[module.algorithm] if not any(part in module.tensors for part in role)]
+    required = ALGORITHMS[module.algorithm].required_roles
+    missing = [role for role in required if not any(part in module.tensors for part in role)]
     if missing:
         return f"no {' and no '.join(' or '.join(role) for role in missing)} tensor"
     if module.algorithm == "lora":

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..adapter_files import PEFT, AdapterFile, AdapterModule, channel_norms
+from ..adapter_kinds import kind_of_module
 from .base_weights import BaseWeights, open_adapter
 from .checks import NORM_FLOOR, UNUSABLE, Finding, check_module, non_finite
 
@@ -116,7 +117,7 @@ def analyse_module(module: AdapterModule, base: BaseWeights | None) -> ModuleRep
         if values.numel():
             ratio = (float(values.min()), float(values.max()))
     rank = module.rank if usable or "down" in module.tensors else None
-    kind = {"lokr": "LoKr", "loha": "LoHa"}.get(module.algorithm, "DoRA" if module.magnitude is not None else "LoRA")
+    kind = kind_of_module(module.algorithm, module.magnitude is not None).label
     return ModuleReport(
         label=module.label, file_name=module.file_name, component=module.component, kind=kind, rank=rank,
         alpha=module.alpha if rank and math.isfinite(module.alpha) else None,
