@@ -35,10 +35,11 @@ from bench.common import RESULTS, ROOT, bench_args, quiet_env, write_results
 
 SDXL = "stabilityai/stable-diffusion-xl-base-1.0"  # not downloaded: planned with SDXL base 1.0's shapes
 SECTIONS = ("tiny", "full_cpu", "gpu", "anchors")
+LABELS = {"dora": "DoRA", "lora": "LoRA"}
 TINY_CASES = {
     "DoRA rank 4 (quickstart)": {},
     "DoRA, gradient checkpointing": {"model": {"use_gradient_checkpointing": True}},
-    "DoRA, EMA": {"model": {"use_ema": True, "ema_device": "same"}},
+    "DoRA, EMA": {"model": {"use_ema": True, "ema_device": "same"}, "training": {"ema_update_every": 1}},
     "LoRA rank 8": {"adapter": {"type": "lora", "rank": 8, "alpha": 8}},
     "LoRA rank 8, gradient checkpointing": {"adapter": {"type": "lora", "rank": 8, "alpha": 8},
                                             "model": {"use_gradient_checkpointing": True}},
@@ -47,7 +48,7 @@ TINY_CASES = {
     "full fine-tune, gradient checkpointing, EMA": {
         "adapter": {"type": "none"}, "model": {"train_text_encoder_1": False, "use_gradient_checkpointing": True,
                                                "use_ema": True, "ema_device": "same"},
-        "training": {"lr_text_encoder_1": None}},
+        "training": {"lr_text_encoder_1": None, "ema_update_every": 1}},
 }
 
 
@@ -66,7 +67,8 @@ def tiny_rows(smoke: bool) -> list[dict[str, Any]]:
             for section, values in changes.items():
                 config[section].update(values)
             config["run"]["output_root"] = folder
-            config["training"].update(num_steps=3, log_every=1, memory_check="warn")
+            # No LR warmup: the EMA starts when it ends (and is updated every step in the EMA cases).
+            config["training"].update(num_steps=3, log_every=1, memory_check="warn", lr_warmup_steps=0)
             config["training"]["tensorboard"]["base_dir"] = f"{folder}/tb"
             config["eval"] = {"live": {"enabled": False}, "final": {"enabled": False}}
             config["data"]["image_dir"] = str(ROOT / "data" / "images")
@@ -116,7 +118,7 @@ def full_cpu_rows() -> list[dict[str, Any]]:
             measured = run.memory.run_peak
             del run
             gc.collect()
-        rows.append({"run": f"{adapter.upper()} rank 16, SDXL, fp32, 128², batch 1",
+        rows.append({"run": f"{LABELS[adapter]} rank 16, SDXL, fp32, 128², batch 1",
                      "planned_GB": planned.peak / 1e9, "measured_GB": measured / 1e9,
                      "measured_over_planned": measured / planned.peak, "plan_seconds": plan_seconds})
         print(rows[-1], flush=True)
@@ -205,8 +207,9 @@ def main(argv: list[str] | None = None) -> int:
         write_results("memory_smoke", tiny_rows(smoke=True), "one tiny run (smoke test)", args.results_dir)
         return 0
     notes = {
-        "tiny": "The built-in tiny model on the CPU, 3 steps of the quickstart config (batch 2, 96x64) with each "
-                "change; planned: the pre-flight's plan; measured: the tensor bytes tracked during the run.",
+        "tiny": "The built-in tiny model on the CPU, 3 steps of the quickstart config (batch 2, 96x64, no LR "
+                "warmup) with each change; planned: the pre-flight's plan; measured: the tensor bytes tracked "
+                "during the run.",
         "full_cpu": "Full-size SDXL (random weights), fp32, one 128x128 image, both text encoders live, AdamW; two "
                     "trainer steps on the CPU; plan_seconds: the plan's time on this CPU.",
         "gpu": "Measured: torch.cuda.max_memory_allocated on an H200 (bench/results/gpu_sdxl.json); planned: the "

@@ -11,7 +11,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tests.helpers import run_cli, tiny_config, write_config
 
 CASES = {
-    "dora_ema_checkpointing": {"model": {"use_gradient_checkpointing": True, "use_ema": True}},
+    "dora_ema_checkpointing": {"model": {"use_gradient_checkpointing": True, "use_ema": True, "ema_device": "same"},
+                               "training": {"ema_update_every": 1}},
     "lora": {"adapter": {"type": "lora", "rank": 8, "alpha": 8}},
     "full": {"adapter": {"type": "none"}, "model": {"train_text_encoder_1": False},
              "training": {"lr_text_encoder_1": None, "lr_unet": 1e-5}},
