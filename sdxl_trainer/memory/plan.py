@@ -1,7 +1,8 @@
 """The memory plan: what a run needs on its device, known before a weight is loaded.
 
-The plan runs the trainer's own setup and two training steps on the meta device (shapes and
-dtypes, no memory, no arithmetic) and counts the live tensor bytes as they come and go
+The plan runs the trainer's own setup on the meta device (shapes and dtypes, no memory, no
+arithmetic), then the optimizer's first step (which creates its state) and the forward and
+backward pass of a later step, and counts the live tensor bytes as they come and go
 (`tracker.LiveBytes`). What it runs is what training runs: the precision plan's casts, peft's
 adapters (or the unfrozen weights), gradient checkpointing, the optimizer's own state, the EMA
 copy, the loss of a batch of the largest bucket; then one eval image (the UNet at the CFG batch,

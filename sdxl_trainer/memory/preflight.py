@@ -7,12 +7,12 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..atomic import write_json
 from ..config import Config, ConfigError
 from .plan import MemoryPlan, StepShape, plan_memory
+from .watch import proc_bytes
 
 if TYPE_CHECKING:
     from ..planning import RunPlan
@@ -51,13 +51,7 @@ def free_memory(device: str) -> int | None:
         return torch.cuda.mem_get_info()[0]
     if device == "mps":
         return torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory()
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    return proc_bytes("/proc/meminfo", "MemAvailable")
 
 
 def memory_preflight(config: Config, plan: RunPlan, dry_run: bool) -> tuple[MemoryPlan | None, str]:

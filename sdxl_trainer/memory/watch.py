@@ -23,11 +23,12 @@ if TYPE_CHECKING:
 OVER_PLAN = 1.10  # a measured peak this much above the plan is worth a warning
 
 
-def rss_high_water_mark() -> int | None:
-    """The process's peak resident memory in bytes (Linux; None elsewhere)."""
+def proc_bytes(path: str, field: str) -> int | None:
+    """A `kB` field of a Linux /proc file in bytes (`/proc/self/status` VmHWM: the process's peak
+    resident memory; `/proc/meminfo` MemAvailable); None where there is no such file."""
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         return None
@@ -58,7 +59,7 @@ class PeakWatch:
         if self.live is None:
             return {}
         peaks = {"tracked": self.live.peak}
-        rss = rss_high_water_mark()
+        rss = proc_bytes("/proc/self/status", "VmHWM")
         if rss is not None:
             peaks["rss_high_water_mark"] = rss
         self.run_peak = max(self.run_peak, self.live.peak)
