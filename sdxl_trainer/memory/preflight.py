@@ -68,6 +68,11 @@ def memory_preflight(config: Config, plan: RunPlan, dry_run: bool) -> tuple[Memo
     except PlanSkipped as exc:
         return None, f"memory plan: skipped ({exc}); the run itself is unaffected"
     lines = [describe(memory, config)]
+    if dry_run:  # the other gradient-checkpointing setting, planned too (a second trace, once)
+        other = not config.model.use_gradient_checkpointing
+        flipped = cached_plan(_with_changes(config, {"model.use_gradient_checkpointing": other}), shape, device)
+        lines.append(f"  with gradient checkpointing {'on' if other else 'off'}: activations "
+                     f"{size(flipped.activations)}, peak {size(flipped.peak)}")
     if plan.data.world_size > 1:
         lines.append("  note: this is every process's peak; under FSDP the sharded weights, gradients and optimizer "
                      "state are not divided among the processes in this plan")
