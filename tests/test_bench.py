@@ -89,3 +89,12 @@ def test_cpu_benchmarks_smoke(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
         (12, "cold", 1), (12, "cold", 2), (12, "warm", 2)]
     for row in preflight:
         assert_positive(row, "seconds", "peak_rss_MB")
+
+
+def test_memory_benchmark_smoke(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
+    """One real run of the tiny model against its plan (bench/bench_memory.py --smoke)."""
+    run_bench("bench_memory.py", tmp_path)
+    (row,) = rows_of(tmp_path / "memory_smoke.json")
+    assert row["run"] == "DoRA rank 4 (quickstart)"
+    assert_positive(row, "planned_MB", "measured_MB")
+    assert 0.95 <= row["measured_over_planned"] <= 1.05
