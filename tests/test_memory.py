@@ -121,3 +121,22 @@ def test_a_model_without_its_config_files_is_planned_with_sdxl_base_shapes(tmp_p
         assert where.startswith("SDXL base 1.0's shapes") and source in where
         assert configs["unet"]["transformer_layers_per_block"] == UNET["transformer_layers_per_block"] == (1, 2, 10)
         assert configs["text_encoder_2"]["num_hidden_layers"] == 32
+
+
+@pytest.mark.slow
+def test_every_optimizer_can_be_planned(tmp_path, tiny_sdxl_dir):
+    """Each optimizer's own state is traced (Prodigy reads numbers with `.item()`, schedule-free
+    AdamW steps only in train mode): the state a plan counts is the optimizer's, not a guess."""
+    from sdxl_trainer.config import OptimizerConfig
+    from sdxl_trainer.memory.plan import StepShape, plan_memory
+
+    states = {}
+    for kind in OptimizerConfig.model_fields["type"].annotation.__args__:
+        scheduler = {"lr_scheduler": {"type": "constant"}} if kind == "adamw_schedulefree" else {}
+        config = tiny_config(tmp_path, optimizer={"type": kind}, training={"lr_text_encoder_1": 1e-3, **scheduler})
+        states[kind] = plan_memory(validate_config(config), StepShape(1, 64, 64), "cpu").optimizer_state
+    trained = plan_memory(validate_config(tiny_config(tmp_path)), StepShape(1, 64, 64), "cpu").trained
+    assert states["adamw"] > 2 * trained  # two moments (and a step counter per parameter)
+    assert states["lion"] == trained  # one moment
+    assert states["adafactor"] < states["adamw"]  # factored second moments
+    assert states["prodigy"] > states["adamw"]  # Prodigy keeps the initial weights and its s as well

@@ -267,12 +267,14 @@ def _trace_training(config: Config, pipe: StableDiffusionXLPipeline, trainable: 
     which has that state, the gradients and the EMA alive beside its activations."""
     from ..diffusion import DrawSettings, LossModels, LossSettings, diffusion_loss, make_noise_scheduler, sample_draws
     from ..ema import EMA
-    from ..optimizers import make_optimizer
+    from ..optimizers import is_schedule_free, make_optimizer
     from ..precision import ENCODERS
 
     params = list(trainable.parameters())
     optimizer = make_optimizer(config.optimizer, trainable.param_groups(), plan.device,
                                traced.components["unet"].trained == "bf16")
+    if is_schedule_free(optimizer):
+        optimizer.train()  # as the trainer does: it steps only in train mode
     if plan.device == "cuda":  # torch's optimizers default to their multi-tensor (foreach) form on CUDA
         for group in optimizer.param_groups:
             if "foreach" in group and group["foreach"] is None:

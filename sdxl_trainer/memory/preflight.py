@@ -67,6 +67,9 @@ def memory_preflight(config: Config, plan: RunPlan, dry_run: bool) -> tuple[Memo
         memory = cached_plan(config, shape, device)
     except PlanSkipped as exc:
         return None, f"memory plan: skipped ({exc}); the run itself is unaffected"
+    except (RuntimeError, TypeError, ValueError, NotImplementedError) as exc:  # an operation the trace cannot run
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return None, f"memory plan: skipped (the trace failed: {reason}); the run itself is unaffected"
     lines = [describe(memory, config)]
     if dry_run:  # the other gradient-checkpointing setting, planned too (a second trace, once)
         other = not config.model.use_gradient_checkpointing

@@ -42,6 +42,10 @@ class LiveBytes(TorchDispatchMode):
         self.peak = max(self.peak, self.current)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
+            # `.item()` of a meta tensor (Prodigy's step reads its estimates): a plan needs a
+            # number, not its value
+            return False if args[0].dtype == torch.bool else 1 if not args[0].is_floating_point() else 1.0
         out = func(*args, **(kwargs or {}))
         if isinstance(out, torch.Tensor):  # most operators: one tensor, no tree to walk
             if out.device.type == self.device_type:
