@@ -10,6 +10,7 @@ prompts are padded to 77 tokens, so the ids do not change what a step costs.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,13 +42,19 @@ class Architecture:
 
 
 def read_architecture(model: ModelConfig) -> Architecture:
-    """The architecture of `model.id`, read from files (call it outside a FakeTensorMode: the
-    built-in model's folder may be written on first use)."""
+    """The architecture of `model.id`, read from its files once per process (the plan cache's key,
+    the plan and the re-plans of the remedies all need it)."""
+    return _architecture(model.id)
+
+
+@functools.lru_cache(maxsize=4)
+def _architecture(model_id: str) -> Architecture:
     from diffusers import EulerDiscreteScheduler
 
+    from ..config import ModelConfig
     from ..tiny_model import build_tiny_tokenizers, tiny_sdxl_path
 
-    configs, source = component_configs(model)
+    configs, source = component_configs(ModelConfig(id=model_id))
     tokenizer, tokenizer_2 = build_tiny_tokenizers()
     scheduler = EulerDiscreteScheduler.from_pretrained(tiny_sdxl_path(), subfolder="scheduler")
     return Architecture(configs, source, {"tokenizer": tokenizer, "tokenizer_2": tokenizer_2, "scheduler": scheduler})

@@ -190,12 +190,12 @@ def plan_key(config: Config, shape: StepShape, device: str) -> str:
     import peft
     import torch
 
-    from .architecture import component_configs
+    from .architecture import read_architecture
 
     resolved = config.resolved()
     inputs = {
         "format": PLAN_FORMAT, "device": device, "shape": [shape.batch, shape.height, shape.width, shape.eval_size],
-        "architecture": component_configs(config.model)[0], "model": resolved["model"],
+        "architecture": read_architecture(config.model).configs, "model": resolved["model"],
         "adapter": resolved["adapter"], "optimizer": resolved["optimizer"],
         "training": {key: resolved["training"][key] for key in ("mixed_precision", "prediction_type")},
         "text_cache": [config.data.text_cache.enabled, config.data.shuffles_without_variants()],

@@ -43,8 +43,8 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default and args[0].device.type == "meta":
-            # `.item()` of a meta tensor (Prodigy's step reads its estimates): a plan needs a
-            # number, not its value
+            # a meta tensor read as a number (`.item()`, `bool()`, `float()`: Prodigy's step reads
+            # its estimates, `if p.any()`): a plan needs a number, not its value
             return False if args[0].dtype == torch.bool else 1 if not args[0].is_floating_point() else 1.0
         out = func(*args, **(kwargs or {}))
         if isinstance(out, torch.Tensor):  # most operators: one tensor, no tree to walk
