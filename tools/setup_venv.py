@@ -44,7 +44,8 @@ VENV = ROOT / ".venv"
 STAMP = VENV / ".setup-stamp"
 TORCH = "torch==2.13.0"  # the version the tests run with; requirements.txt says torch>=2.4
 RUNTIME = ["requirements.txt"]
-DEV = ["requirements-dev.txt", "requirements-optimizers.txt", "requirements-demo.txt"]  # absent ones are skipped
+# absent ones are skipped
+DEV = ["requirements-dev.txt", "requirements-optimizers.txt", "requirements-demo.txt", "requirements-trackers.txt"]
 VENV_MISSING = (
     "python3 cannot create a virtual environment: install python3-venv (Debian/Ubuntu: apt-get install python3-venv)"
 )
