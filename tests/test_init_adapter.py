@@ -24,7 +24,7 @@ from sdxl_trainer.models import load_pipeline
 from sdxl_trainer.planning import RunPlan
 from sdxl_trainer.precision import plan_precision
 from sdxl_trainer.run import make_accelerator, setup_models
-from sdxl_trainer.training_setup import prepare_trainable
+from sdxl_trainer.training_setup import Trainable, prepare_trainable
 from tests.helpers import tiny_config, write_config
 from tests.test_resume import final_weights, resumable_config
 
@@ -64,14 +64,23 @@ def trained(tiny_sdxl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ca
     return run
 
 
-def step_zero(run: SimpleNamespace, init_from: Path, **adapter):
-    """The pipeline and trained modules as a new run from `init_from` sets them up, before its
-    first step (the run's own setup: adapters attached, cast, the file loaded, audited)."""
-    config = validate_config(config_dict(run.root / "new", run.kind, init_from=str(init_from), **adapter))
-    pipe = load_pipeline(config.model)
-    plan = RunPlan(None, 1, [], "")
-    _, _, trainable = setup_models(config, plan, plan_precision(config, "cpu"), make_accelerator(config), pipe)
-    return pipe, trainable
+@pytest.fixture(scope="module")
+def started(trained: Callable[[str], SimpleNamespace]) -> Callable[[str, str], Trainable]:
+    """The trained modules as a new run from a kind's `peft` or `kohya` file sets them up, before
+    its first step (the run's own setup: adapters attached, cast, the file loaded, audited); once."""
+    setups = {}
+
+    def start(kind: str, file: str) -> Trainable:
+        if (kind, file) not in setups:
+            run = trained(kind)
+            config = validate_config(config_dict(run.root / "new", kind, init_from=str(getattr(run, file))))
+            pipe = load_pipeline(config.model)
+            plan = RunPlan(None, 1, [], "")
+            precision, accelerator = plan_precision(config, "cpu"), make_accelerator(config)
+            setups[kind, file] = setup_models(config, plan, precision, accelerator, pipe)[2]
+        return setups[kind, file]
+
+    return start
 
 
 def tensors_equal(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> None:
@@ -82,16 +91,16 @@ def tensors_equal(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_run_started_from_an_export_holds_exactly_the_exported_adapter(
-        kind: str, trained: Callable[[str], SimpleNamespace], tmp_path: Path) -> None:
+        kind: str, trained: Callable[[str], SimpleNamespace], started: Callable[[str, str], Trainable],
+        tmp_path: Path) -> None:
     """Train → export → start a new run from each file: its adapter, exported again before the
     first step, is the file tensor for tensor (the peft file for every kind, the kohya file too)."""
     run = trained(kind)
-    for source in (run.peft, run.kohya):
-        _, trainable = step_zero(run, source)
-        again = tmp_path / source.stem
-        written = (save_diffusers_adapter(again, trainable.modules) if source == run.peft else
-                   save_kohya_adapter(again / "kohya.safetensors", trainable.modules, {}))
-        tensors_equal(load_file(source), load_file(written))
+    for file in ("peft", "kohya"):
+        trainable = started(kind, file)
+        written = (save_diffusers_adapter(tmp_path, trainable.modules) if file == "peft" else
+                   save_kohya_adapter(tmp_path / "kohya.safetensors", trainable.modules, {}))
+        tensors_equal(load_file(getattr(run, file)), load_file(written))
 
 
 def unet_output(unet: torch.nn.Module) -> torch.Tensor:
@@ -109,11 +118,11 @@ def unet_output(unet: torch.nn.Module) -> torch.Tensor:
 @pytest.mark.slow
 @pytest.mark.parametrize(("kind", "file"), [("lora", "peft"), ("dora", "peft"), ("lora", "kohya")])
 def test_the_first_forward_is_the_base_with_the_file_fused_by_diffusers(
-        kind: str, file: str, trained: Callable[[str], SimpleNamespace], tiny_sdxl_dir: Path) -> None:
+        kind: str, file: str, trained: Callable[[str], SimpleNamespace], started: Callable[[str, str], Trainable],
+        tiny_sdxl_dir: Path) -> None:
     from diffusers import StableDiffusionXLPipeline
 
-    run = trained(kind)
-    _, trainable = step_zero(run, getattr(run, file))
+    run, trainable = trained(kind), started(kind, file)
     judge = StableDiffusionXLPipeline.from_pretrained(tiny_sdxl_dir)
     base = unet_output(judge.unet)
     judge.load_lora_weights(str(getattr(run, file)))
@@ -150,11 +159,10 @@ def lycoris_judge(name: str, base: torch.nn.Module, part: dict[str, torch.Tensor
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lokr", "loha", "dora"])
 def test_each_layers_first_forward_is_lycoris_own_module_of_the_kohya_file(
-        kind: str, trained: Callable[[str], SimpleNamespace]) -> None:
+        kind: str, trained: Callable[[str], SimpleNamespace], started: Callable[[str, str], Trainable]) -> None:
     """diffusers loads no LoKr or LoHa, and drops a kohya file's DoRA magnitude: LyCORIS's modules
     judge those, layer by layer (the output, as the step computes it: peft's unmerged forward)."""
-    run = trained(kind)
-    _, trainable = step_zero(run, run.kohya)
+    run, trainable = trained(kind), started(kind, "kohya")
     tensors, unet_config = load_file(run.kohya), trainable.modules["unet"].config
     generator, checked, moved = torch.Generator().manual_seed(0), set(), 0
     for component, module in trainable.modules.items():
@@ -183,7 +191,7 @@ def test_a_run_from_a_file_resumes_bit_exactly_without_reading_it_again(
     source = trained("dora").peft
 
     def config(name: str, init_from: Path, **training) -> Path:
-        values = resumable_config(tmp_path / name, "dora", num_steps=4, checkpoint_every=2,
+        values = resumable_config(tmp_path / name, "dora", num_steps=3, checkpoint_every=1,
                                   lr_text_encoder_2=1e-3, **training)
         values["adapter"].update(SETTINGS, init_from=str(init_from))
         values["model"]["train_text_encoder_2"] = True
@@ -191,7 +199,7 @@ def test_a_run_from_a_file_resumes_bit_exactly_without_reading_it_again(
 
     assert train_sdxl.main(["--config", str(config("straight", source))]) == 0
     assert f"init: the adapter starts from {source}" in capsys.readouterr().out
-    checkpoint = tmp_path / "straight" / "out" / "test_run" / "checkpoints" / "checkpoint-2"
+    checkpoint = tmp_path / "straight" / "out" / "test_run" / "checkpoints" / "checkpoint-1"
     garbage = tmp_path / "gone.safetensors"
     garbage.write_bytes(b"not an adapter any more")
     assert train_sdxl.main(["--config", str(config("resumed", garbage, resume_from=str(checkpoint)))]) == 0
@@ -201,6 +209,14 @@ def test_a_run_from_a_file_resumes_bit_exactly_without_reading_it_again(
     tensors_equal(first, second)
     started = load_file(source)  # and the run did start from the file: trained on from its values
     assert 0 < max((first[f"test_run/{key}"] - value).abs().max() for key, value in started.items()) < 0.1
+
+
+@pytest.mark.slow
+def test_lokr_factors_other_than_the_files_are_named(trained: Callable[[str], SimpleNamespace]) -> None:
+    run = trained("lokr")
+    config = config_dict(run.root / "new", "lokr", init_from=str(run.kohya), lokr_factor=2)
+    with pytest.raises(ConfigError, match=r"adapter\.lokr_factor 2 and adapter\.lokr_decompose_both false make "):
+        preflight_lines(validate_config(config), resuming=False)
 
 
 # --- files a run cannot start from (no training: a file written by the exporter in place of one) --
@@ -248,8 +264,8 @@ def test_differences_from_the_config_are_named_with_both_values(exported: Simple
         "model.train_text_encoder_2 is false, the file adapts text_encoder_2")
 
 
-def test_another_models_adapter_or_no_adapter_is_refused_in_one_line(exported: SimpleNamespace,
-                                                                     tmp_path: Path) -> None:
+def test_another_models_adapter_no_adapter_or_a_damaged_one_is_refused_in_one_line(
+        exported: SimpleNamespace, tmp_path: Path) -> None:
     sd15 = tmp_path / "sd15.safetensors"  # SD 1.5's names: one text encoder, attention in down_blocks.0
     save_file({"lora_te_text_model_encoder_layers_0_self_attn_q_proj.lora_down.weight": torch.ones(4, 768),
                "lora_te_text_model_encoder_layers_0_self_attn_q_proj.lora_up.weight": torch.ones(768, 4),
@@ -275,6 +291,12 @@ def test_another_models_adapter_or_no_adapter_is_refused_in_one_line(exported: S
     tensors[key][0, 0] = float("nan")
     save_file(tensors, damaged)
     assert "NaN/Inf" in refused(exported, damaged) and "fix_dora_weights.py" in refused(exported, damaged)
+    legacy = tmp_path / "legacy_dora.safetensors"  # LyCORIS < 3.2: the magnitude on the input axis
+    tensors = load_file(exported.kohya)
+    down = next(key for key, value in tensors.items() if key.endswith("ff_net_2.lora_down.weight"))
+    tensors[down.replace("lora_down.weight", "dora_scale")] = torch.ones(1, tensors[down].shape[1])
+    save_file(tensors, legacy)
+    assert "a DoRA magnitude on the input axis (LyCORIS before 3.2)" in refused(exported, legacy)
     assert refused(exported, tmp_path / "missing").endswith("missing: no such file or folder")
 
 
@@ -291,10 +313,10 @@ def test_modules_on_no_layer_and_layers_the_file_lacks_are_listed(exported: Simp
     edited = tmp_path / "edited.safetensors"
     save_file(tensors, edited)
     lines = preflight(exported, edited)
-    assert lines[1] == (
-        f"  warning: 2 modules of the file adapt no layer this model has or runs, and are left out: {last}, {extra}")
-    assert lines[2] == ("  note: 1 module this run adapts are not in the file and start as a new adapter does "
-                        "(a no-op): unet.down_blocks.0.resnets.0.conv1")
+    assert lines[1] == ("  warning: the file's modules on no layer this model has or runs are left out (2 modules): "
+                        f"{last}, {extra}")
+    assert lines[2] == ("  note: the file lacks 1 module this run adapts; they start as a new adapter does (a no-op): "
+                        "unet.down_blocks.0.resnets.0.conv1")
 
 
 def test_a_refused_file_stops_the_run_before_anything_is_written(exported: SimpleNamespace, tmp_path: Path,
