@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -109,12 +110,12 @@ def read_init_adapter(config: Config, pipe: StableDiffusionXLPipeline) -> InitAd
     lines = [f"init: the adapter starts from {path} ({file_format}, {len(matched)} modules: "
              + ", ".join(f"{component} {count}" for component, count in counts.items()) + ")"]
     if left_out:
-        lines.append(f"  warning: {_count(left_out)} of the file adapt no layer this model has or runs, and are "
-                     f"left out: {_names(left_out)}")
+        lines.append(f"  warning: the file's modules on no layer this model has or runs are left out "
+                     f"({_count(left_out)}): {_names(left_out)}")
     lacking = [key for key in trained if key not in matched]
     if lacking:
-        lines.append(f"  note: {_count(lacking)} this run adapts are not in the file and start as a new "
-                     f"adapter does (a no-op): {_names(lacking)}")
+        lines.append(f"  note: the file lacks {_count(lacking)} this run adapts; they start as a new adapter "
+                     f"does (a no-op): {_names(lacking)}")
     return InitAdapter(path, matched, lines)
 
 
@@ -137,8 +138,8 @@ def model_layers(pipe: StableDiffusionXLPipeline) -> dict[str, tuple[int, ...]]:
 
 def _match(path: Path, modules: list[AdapterModule],
            layers: dict[str, tuple[int, ...]]) -> tuple[dict[str, AdapterModule], list[str]]:
-    """The file's modules by the layer each adapts, and the labels of those on no layer of this
-    model. A damaged module, one that does not fit its layer, or no module on any layer is an error."""
+    """The file's modules by the layer each adapts, and the file's names of those on no layer of
+    this model. A damaged module, one that does not fit its layer, or no module on any layer is an error."""
     from .doctor.checks import MAGNITUDE_NON_FINITE, NON_FINITE, UNUSABLE, check_module
 
     matched, left_out = {}, []
@@ -149,6 +150,9 @@ def _match(path: Path, modules: list[AdapterModule],
             continue
         damage = [finding.detail for finding in check_module(module, None)
                   if finding.kind in (UNUSABLE, NON_FINITE, MAGNITUDE_NON_FINITE)]
+        if module.magnitude is not None and (module.magnitude_layout() or ("",))[0] != "output":
+            damage.append("a DoRA magnitude on the input axis (LyCORIS before 3.2), which cannot be continued as "
+                          "the output-axis DoRA this trainer trains")
         if damage:
             raise ConfigError(f"{KEY}: {path}: {_named(module)}: {damage[0]} (debug_dora_weights.py and "
                               "fix_dora_weights.py check and repair the file)")
@@ -204,8 +208,8 @@ def _check_settings(path: Path, modules: dict[str, AdapterModule], layers: dict[
             if found and found != [_float32(wanted)]:
                 values = ", ".join(_shown(value) for value in found)
                 differences.append(f"{setting} is {said}, the file's {values}"
-                                   + (" (one per module: set the one value this trainer trains)"
-                                      if len(found) > 1 else ""))
+                                   + (" (they differ between modules; this trainer trains one value for "
+                                      "Linear layers, one for convolutions)" if len(found) > 1 else ""))
     if differences:
         raise ConfigError(f"{KEY}: {path} does not match the config: " + "; ".join(differences))
 
@@ -280,7 +284,7 @@ def _shapes(shapes: dict[str, tuple[int, ...]]) -> str:
     return ", ".join(f"{role} {list(shape)}" for role, shape in sorted(shapes.items()))
 
 
-def _pairs(init: InitAdapter, trained: dict[str, Any]):
+def _pairs(init: InitAdapter, trained: dict[str, Any]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(parameter, the file's value for it) for every tensor of every module of the file; a
     ConfigError where the file's module and this run's adapter hold different tensors."""
     for key, module in init.modules.items():
@@ -291,7 +295,7 @@ def _pairs(init: InitAdapter, trained: dict[str, Any]):
             raise ConfigError(f"{KEY}: {init.path}: {module.label} holds {', '.join(sorted(roles))}; this run's "
                               f"adapter holds {', '.join(sorted(held))}")
         for role in roles:
-            value = _value(init.path, module, role, layer)
+            value = _value(module, role, layer)
             if value.numel() != held[role].numel() or (role != "magnitude" and value.shape != held[role].shape):
                 raise ConfigError(f"{KEY}: {init.path}: {module.label} {role} has shape {list(value.shape)}, "
                                   f"this run's adapter {list(held[role].shape)}")
@@ -313,16 +317,10 @@ def _held(layer: Any) -> dict[str, torch.Tensor]:
     return held
 
 
-def _value(path: Path, module: AdapterModule, role: str, layer: Any) -> torch.Tensor:
-    """The file's tensor of `role` as peft holds it: the DoRA magnitude on the output axis, and
-    LoKr's scale where the file folded it into `lokr_w2` (no factor decomposed: the loaders apply
-    scale 1) taken out again."""
+def _value(module: AdapterModule, role: str, layer: Any) -> torch.Tensor:
+    """The file's tensor of `role` as peft holds it: LoKr's scale taken out of `lokr_w2` again where
+    the file folded it in (no factor decomposed: the loaders apply scale 1)."""
     tensor = module.tensors[role]
-    if role == "magnitude":
-        layout = module.magnitude_layout()
-        if layout is None or layout[0] != "output":
-            raise ConfigError(f"{KEY}: {path}: {module.label}: a DoRA magnitude on the input axis (LyCORIS before "
-                              "3.2) cannot be continued as this trainer's output-axis DoRA")
     if role == "lokr_w2" and module.rank is None and layer.scaling[ADAPTER] != module.scale:
         return tensor.float() * module.scale / layer.scaling[ADAPTER]
     return tensor

@@ -252,7 +252,7 @@ def refused(exported: SimpleNamespace, init_from: Path, kind: str = "dora", **se
     return message
 
 
-def test_differences_from_the_config_are_named_with_both_values(exported: SimpleNamespace) -> None:
+def test_differences_from_the_config_are_named_with_both_values(exported: SimpleNamespace, tmp_path: Path) -> None:
     assert preflight(exported, exported.kohya)[0].startswith(f"init: the adapter starts from {exported.kohya} (")
     message = refused(exported, exported.peft, "lora", adapter={"rank": 8, "alpha": 2.5, "conv_alpha": None})
     assert message == (f"adapter.init_from: {exported.peft} does not match the config: adapter.type is \"lora\", "
@@ -262,6 +262,14 @@ def test_differences_from_the_config_are_named_with_both_values(exported: Simple
         'adapter.targets is "attn-mlp", the file\'s "all"')
     assert refused(exported, exported.peft, model={"train_text_encoder_2": False}).endswith(
         "model.train_text_encoder_2 is false, the file adapts text_encoder_2")
+    tensors = load_file(exported.kohya)  # one module resized to rank 2, as kohya's dynamic resizing does
+    name = next(key for key in tensors if key.endswith("attn1_to_q.lora_down.weight")).split(".")[0]
+    tensors[f"{name}.lora_down.weight"] = tensors[f"{name}.lora_down.weight"][:2].contiguous()
+    tensors[f"{name}.lora_up.weight"] = tensors[f"{name}.lora_up.weight"][:, :2].contiguous()
+    save_file(tensors, tmp_path / "resized.safetensors")
+    assert refused(exported, tmp_path / "resized.safetensors").endswith(
+        "adapter.rank is 4, the file's 2, 4 (they differ between modules; this trainer trains one value for Linear "
+        "layers, one for convolutions)")
 
 
 def test_another_models_adapter_no_adapter_or_a_damaged_one_is_refused_in_one_line(
