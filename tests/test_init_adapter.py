@@ -262,6 +262,9 @@ def test_differences_from_the_config_are_named_with_both_values(exported: Simple
         'adapter.targets is "attn-mlp", the file\'s "all"')
     assert refused(exported, exported.peft, model={"train_text_encoder_2": False}).endswith(
         "model.train_text_encoder_2 is false, the file adapts text_encoder_2")
+    save_file(load_file(exported.peft), tmp_path / "bare.safetensors")  # no metadata: alpha = rank, as in diffusers
+    assert refused(exported, tmp_path / "bare.safetensors").endswith(
+        "adapter.alpha is 8, the file's 4; adapter.conv_alpha is 4, the file's 2")
     tensors = load_file(exported.kohya)  # one module resized to rank 2, as kohya's dynamic resizing does
     name = next(key for key in tensors if key.endswith("attn1_to_q.lora_down.weight")).split(".")[0]
     tensors[f"{name}.lora_down.weight"] = tensors[f"{name}.lora_down.weight"][:2].contiguous()
