@@ -191,7 +191,7 @@ def test_a_run_from_a_file_resumes_bit_exactly_without_reading_it_again(
     source = trained("dora").peft
 
     def config(name: str, init_from: Path, **training) -> Path:
-        values = resumable_config(tmp_path / name, "dora", num_steps=3, checkpoint_every=1,
+        values = resumable_config(tmp_path / name, "dora", num_steps=2, checkpoint_every=1,
                                   lr_text_encoder_2=1e-3, **training)
         values["adapter"].update(SETTINGS, init_from=str(init_from))
         values["model"]["train_text_encoder_2"] = True
