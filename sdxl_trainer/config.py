@@ -117,6 +117,11 @@ class AdapterConfig(Section):
     lokr_decompose_both: bool = Field(
         False, description="LoKr: factor the small Kronecker matrix into two rank-`rank` matrices too (LyCORIS's "
         "`decompose_both`); the large one always is, where `rank` is below half its size.")
+    init_from: str | None = Field(
+        None, description="Start the adapter from this file or folder instead of from zero: a diffusers/peft or "
+        "kohya/LyCORIS `.safetensors` file (LoRA, DoRA, LoKr or LoHa), or an output or checkpoint folder of this "
+        "trainer. Its kind, rank, alpha and targets must match `adapter.*` (the pre-flight names any difference); "
+        "read only when a run starts, not when it resumes.")
 
     @model_validator(mode="after")
     def _dropout_is_lora_only(self) -> AdapterConfig:
@@ -127,6 +132,9 @@ class AdapterConfig(Section):
             raise _KeyError("adapter.dropout", f"is LoRA's input dropout; {self.type} has none (set 0)")
         if self.lokr_factor == 0 or self.lokr_factor < -1:
             raise _KeyError("adapter.lokr_factor", f"must be -1 or a positive integer, not {self.lokr_factor}")
+        if self.init_from and self.type == FULL_FINE_TUNE:
+            raise _KeyError("adapter.init_from", f'starts an adapter; adapter.type "{FULL_FINE_TUNE}" (a full '
+                            "fine-tune) has none")
         return self
 
     @field_validator("targets")

@@ -105,6 +105,7 @@ def plan_run(config: Config) -> RunPlan:
     from .checkpointing import choose_resume, soft_settings
     from .data_plan import EpochSettings, plan_dataset
     from .evaluator import eval_prompts
+    from .init_adapter import preflight_lines
     from .lycoris_compat import lokr_load_warning
     from .text_cache import text_cache_status
 
@@ -134,7 +135,7 @@ def plan_run(config: Config) -> RunPlan:
     soft = soft_settings(config, data_plan, total_steps)
     choice = choose_resume(config, total_steps)
     resume, said = adopt(choice, config, soft)
-    preflight += "".join(f"\n{line}" for line in said)
+    preflight += "".join(f"\n{line}" for line in [*said, *preflight_lines(config, resuming=resume is not None)])
     if config.data.text_cache.enabled:  # a resumed run keeps its seed, and the shuffle variants drawn from it
         seed = resume.snapshot.seed if resume else config.training.seed
         preflight += f"\ntext cache: {text_cache_status(config, data_plan, seed)}"

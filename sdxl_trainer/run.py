@@ -306,6 +306,7 @@ def setup_models(config: Config, plan: RunPlan, precision: PrecisionPlan, accele
     from .attention import set_attention
     from .data import build_latent_cache
     from .diffusion import make_noise_scheduler
+    from .init_adapter import load_init_adapter, read_init_adapter
     from .latent_cache import vae_fingerprint
     from .planning import make_latent_cache
     from .precision import audit, cast_trained_parameters, place_pipeline
@@ -329,10 +330,15 @@ def setup_models(config: Config, plan: RunPlan, precision: PrecisionPlan, accele
         with accelerator.local_main_process_first():
             hits, built = build_latent_cache(plan.data, config.data, cache, pipe.vae, device)
         accelerator.print(f"latent cache: {hits} hits, {built} encoded now")
+    # `adapter.init_from` is read at a fresh start only: a resume continues from its checkpoint.
+    init = read_init_adapter(config, pipe) if config.adapter.init_from and not resume_folder else None
     trainable = prepare_trainable(pipe, config)
     # peft creates adapters in the dtype of the layer they wrap (bf16/fp16 here): they get their fp32
-    # master dtype before a resume loads the saved weights, which would otherwise be rounded to it.
+    # master dtype before a resume or `adapter.init_from` loads the saved weights, which would
+    # otherwise be rounded to it.
     cast_trained_parameters(trainable.modules, precision)
+    if init:
+        accelerator.print(f"init: {load_init_adapter(init, trainable)} modules loaded from {init.path}")
     if resume_folder and trainable.is_adapter:
         tensors = load_file(resume_folder / weight_file_name(config.adapter.type))
         for name, module in trainable.modules.items():

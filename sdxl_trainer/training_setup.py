@@ -68,14 +68,33 @@ class Trainable:
         return "trainable: " + "; ".join(parts)
 
 
-def prepare_trainable(pipe: StableDiffusionXLPipeline, config: Config) -> Trainable:
-    """Freeze everything, then attach adapters to (or unfreeze) the components the config trains."""
+def trained_components(config: Config) -> dict[str, float]:
+    """The components the config trains, with their learning rates."""
     training, model = config.training, config.model
     wanted = {"unet": training.lr_unet}
     if model.train_text_encoder_1:
         wanted["text_encoder"] = training.lr_text_encoder_1
     if model.train_text_encoder_2:
         wanted["text_encoder_2"] = training.lr_text_encoder_2
+    return wanted
+
+
+def adapter_targets(pipe: StableDiffusionXLPipeline, config: Config) -> dict[str, list[str]]:
+    """The modules that get adapters, per trained component (before any is attached)."""
+    targets = {}
+    for name in trained_components(config):
+        module = getattr(pipe, name)
+        found = (unet_target_modules(module, config.adapter.targets) if name == "unet"
+                 else text_encoder_target_modules(module, config.adapter.targets))
+        targets[name] = [target for target in found if not target.startswith(unused_prefixes(name, module))]
+    return targets
+
+
+def prepare_trainable(pipe: StableDiffusionXLPipeline, config: Config) -> Trainable:
+    """Freeze everything, then attach adapters to (or unfreeze) the components the config trains."""
+    model = config.model
+    wanted = trained_components(config)
+    targets = adapter_targets(pipe, config) if config.adapter.type != "none" else {}
 
     for name in ("unet", "vae", "text_encoder", "text_encoder_2"):
         getattr(pipe, name).requires_grad_(False).eval()
@@ -83,16 +102,14 @@ def prepare_trainable(pipe: StableDiffusionXLPipeline, config: Config) -> Traina
     modules = {}
     for name in wanted:
         module = getattr(pipe, name)
-        unused = unused_prefixes(name, module)
         if config.adapter.type == "none":
+            unused = unused_prefixes(name, module)
             module.requires_grad_(True)
             for param_name, param in module.named_parameters():
                 if param_name.startswith(unused):
                     param.requires_grad_(False)
         else:
-            targets = (unet_target_modules(module, config.adapter.targets) if name == "unet"
-                       else text_encoder_target_modules(module, config.adapter.targets))
-            attach_adapter(module, config.adapter, [t for t in targets if not t.startswith(unused)])
+            attach_adapter(module, config.adapter, targets[name])
         if model.use_gradient_checkpointing:
             if name == "unet":
                 module.enable_gradient_checkpointing()
