@@ -343,7 +343,7 @@ class TrainingConfig(Section):
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig, description="TensorBoard logging.")
     trackers: list[TrackerConfig] = Field(
         default_factory=list, description="Experiment trackers beside TensorBoard; each gets every scalar, image "
-        "and text TensorBoard gets, and the resolved config once (docs/trackers.md).")
+        "and text TensorBoard gets, and the resolved config once (docs/training.md, 'Trackers beside TensorBoard').")
 
     @field_validator("trackers")
     @classmethod

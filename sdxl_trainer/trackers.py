@@ -64,14 +64,12 @@ def flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 class Tracker:
-    """One tracker's run. Subclasses start it in `__init__` (continuing `resume_id` when given)."""
+    """One tracker's run. A subclass's `__init__(settings, name, resume_id)` starts it (continuing
+    the run `resume_id` when given) and sets `tracker` and `run_id`."""
 
     kind = ""
-
-    def __init__(self, settings: TrackerConfig, name: str, resume_id: str | None) -> None:
-        self.settings, self.name = settings, name
-        self.run_id = ""
-        self.tracker: Any = None  # accelerate's tracker object
+    tracker: Any  # accelerate's tracker object
+    run_id: str
 
     def scalars(self, values: dict[str, float], step: int) -> None:
         self.tracker.log(values, step=step)
@@ -95,7 +93,6 @@ class WandB(Tracker):
     def __init__(self, settings: TrackerConfig, name: str, resume_id: str | None) -> None:
         from accelerate.tracking import WandBTracker
 
-        super().__init__(settings, name, resume_id)
         if settings.dir:
             Path(settings.dir).mkdir(parents=True, exist_ok=True)
         self.tracker = WandBTracker(
@@ -120,7 +117,6 @@ class MLflow(Tracker):
         import mlflow
         from accelerate.tracking import MLflowTracker
 
-        super().__init__(settings, name, resume_id)
         uri = settings.tracking_uri or (Path(settings.dir).resolve().as_uri() if settings.dir else None)
         if uri and uri.startswith("file:"):  # mlflow 3 keeps its file store only on request (no SQL in -skinny)
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
@@ -160,7 +156,6 @@ class CometML(Tracker):
     def __init__(self, settings: TrackerConfig, name: str, resume_id: str | None) -> None:
         from accelerate.tracking import CometMLTracker
 
-        super().__init__(settings, name, resume_id)
         self.tracker = CometMLTracker(settings.project, workspace=settings.entity, online=not settings.offline,
                                       experiment_key=resume_id, mode="get" if resume_id else "create")
         self.tracker.start()
@@ -184,7 +179,6 @@ class Aim(Tracker):
     def __init__(self, settings: TrackerConfig, name: str, resume_id: str | None) -> None:
         from accelerate.tracking import AimTracker
 
-        super().__init__(settings, name, resume_id)
         self.tracker = AimTracker(name, logging_dir=settings.dir or ".", experiment=settings.project,
                                   run_hash=resume_id)
         self.tracker.start()

@@ -268,3 +268,23 @@ def test_trackers_get_what_tensorboard_gets_and_a_resume_continues_their_runs(
         ("start", "started"), ("completed", "completed"), ("start", "resumed at step 2"), ("completed", "completed")]
     assert hook.bodies[1]["steps"] == 4 and hook.bodies[1]["output_dir"] == str(output)
     assert hook.bodies[1]["seconds"] > 0 and hook.bodies[0]["total_steps"] == 4
+
+
+@pytest.mark.slow
+def test_a_nan_stop_is_told_to_the_webhook_and_ends_the_tracker_run_as_failed(
+        tmp_path: Path, tiny_sdxl_dir: Path, hook: Hook, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from tests.test_training_core import poisoned
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    poisoned(monkeypatch, "shape_")  # every batch: the first step aborts
+    config = tiny_config(tmp_path, training={"num_steps": 2, "trackers": [
+        {"type": "mlflow", "dir": str(tmp_path / "mlruns")}]})
+    config["run"]["notify"] = {"url": hook.url}
+    assert train_sdxl.main(["--config", str(write_config(tmp_path / "c.json", config))]) == 1
+    assert [(body["event"], body["status"], body.get("steps")) for body in hook.bodies] == [
+        ("start", "started", None), ("nan_stop", "aborted: non-finite loss or gradients", 0)]
+    client = MlflowClient((tmp_path / "mlruns").resolve().as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("sdxl-trainer").experiment_id])
+    assert run.info.status == "FAILED" and run.data.params["training.num_steps"] == "2"
