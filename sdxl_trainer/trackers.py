@@ -63,6 +63,13 @@ def flat(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def metric_name(tag: str) -> str:
+    """An mlflow metric name for a TensorBoard tag: `/` becomes `.`, as mlflow's file store keeps a
+    metric in a file at its name's path, and `eval/live/accuracy/concept` is a metric and, for
+    `eval/live/accuracy/concept/kinds`, a folder."""
+    return MLFLOW_NAME.sub("_", tag.replace("/", "."))
+
+
 class Tracker:
     """One tracker's run. A subclass's `__init__(settings, name, resume_id)` starts it (continuing
     the run `resume_id` when given) and sets `tracker` and `run_id`."""
@@ -128,7 +135,7 @@ class MLflow(Tracker):
         self.run_id = self.tracker.active_run.info.run_id
 
     def scalars(self, values: dict[str, float], step: int) -> None:
-        self.tracker.log({MLFLOW_NAME.sub("_", key): value for key, value in values.items()}, step=step)
+        self.tracker.log({metric_name(key): value for key, value in values.items()}, step=step)
 
     def image(self, tag: str, picture: Any, step: int) -> None:
         import mlflow

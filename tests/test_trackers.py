@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import re
 import struct
 import threading
@@ -20,7 +21,7 @@ import train_sdxl
 from sdxl_trainer.checkpointing import load_state
 from sdxl_trainer.config import ConfigError, load_config, validate_config
 from sdxl_trainer.notify import end_event, notify
-from sdxl_trainer.trackers import check_trackers, flat
+from sdxl_trainer.trackers import RunLog, Tracker, check_trackers, flat
 from tests.helpers import ROOT, tiny_config, write_config
 
 
@@ -153,6 +154,54 @@ def test_flat_config_keys() -> None:
     assert flat({"a": {"b": 1, "c": [1, 2]}, "d": None}) == {"a.b": 1, "a.c": "[1, 2]", "d": None}
 
 
+class Drawing(Tracker):
+    """A tracker library that draws from the global RNGs as it logs (as mlflow's experiment and run names do)."""
+
+    kind = "drawing"
+
+    def __init__(self) -> None:
+        self.draws: list[float] = []
+        self.run_id = "d1"
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        self.draws += [random.random(), float(np.random.rand()), float(torch.rand(()))]
+
+
+def test_tracker_calls_leave_the_training_rngs_alone() -> None:
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    expected = (random.random(), float(np.random.rand()), float(torch.rand(())))
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    tracker = Drawing()
+    RunLog(None, [tracker]).add_scalar("train/loss", 0.5, 1)
+    assert tracker.draws == list(expected)  # the tracker drew...
+    assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == expected  # ...and it was undone
+
+
+class Failing(Tracker):
+    kind = "failing"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        self.calls += 1
+        raise OSError("server gone")
+
+
+def test_a_tracker_failing_mid_run_is_one_warning_and_dropped(capsys: pytest.CaptureFixture) -> None:
+    failing, drawing = Failing(), Drawing()
+    log = RunLog(None, [failing, drawing])
+    for step in (1, 2):
+        log.add_scalar("train/loss", 0.5, step)
+    assert failing.calls == 1 and len(drawing.draws) == 6 and log.run_ids() == {"drawing": drawing.run_id}
+    assert capsys.readouterr().err == ("warning: training.trackers: failing failed (OSError: server gone); it gets "
+                                       "nothing more from this run\n")
+
+
 def test_the_webhook_gets_discord_and_plain_json_bodies(tmp_path: Path, hook: Hook,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     config = validate_config(minimal(notify={"url": hook.url, "format": "discord"}))
@@ -200,6 +249,7 @@ def tracked_config(tmp_path: Path, hook_url: str, **training: Any) -> dict[str, 
         "trackers": [{"type": "wandb", "offline": True, "dir": str(tmp_path / "wandb"), "tags": ["test"]},
                      {"type": "mlflow", "dir": str(tmp_path / "mlruns"), "project": "tests"}], **training},
         eval={"prompts_path": str(ROOT / "tests" / "eval_prompts.three.json"), "num_inference_steps": 2,
+              "judge": "shapes",  # accuracy tags that are both a metric and a folder of more
               "live": {"enabled": True, "at_start": True, "every_n_steps": 2, "max_batches": 1}})
     config["run"]["notify"] = {"url": hook_url}
     return config
@@ -221,6 +271,7 @@ def test_trackers_get_what_tensorboard_gets_and_a_resume_continues_their_runs(
 
     tensorboard = tensorboard_scalars(tmp_path / "first" / "tb" / "test_run")
     assert {"train/loss", "train/grad_norm", "lr/unet", "lr/text_encoder", "val/loss"} <= set(tensorboard)
+    assert any(other.startswith(f"{tag}/") for tag in tensorboard for other in tensorboard)  # the judge's accuracy
     (folder,) = (tmp_path / "first" / "wandb" / "wandb").glob("offline-run-*")
     wandb = wandb_run(folder)
     assert wandb["id"] == ids["wandb"] and sorted(wandb["history"]) == [0, 1, 2, 3, 4]
@@ -228,7 +279,7 @@ def test_trackers_get_what_tensorboard_gets_and_a_resume_continues_their_runs(
     mlflow_run = client.get_run(ids["mlflow"])
     for tag, values in tensorboard.items():  # TensorBoard stores float32; the trackers keep the float64 logged
         assert {step: np.float32(row[tag]) for step, row in wandb["history"].items() if tag in row} == values, tag
-        history = client.get_metric_history(ids["mlflow"], tag)
+        history = client.get_metric_history(ids["mlflow"], tag.replace("/", "."))
         assert {m.step: np.float32(m.value) for m in history} == values, tag
     assert wandb["config"]["training"]["num_steps"] == 4 and wandb["config"]["run"]["name"] == "test_run"
     assert mlflow_run.data.params["training.num_steps"] == "4" and mlflow_run.data.params["run.name"] == "test_run"
@@ -256,7 +307,7 @@ def test_trackers_get_what_tensorboard_gets_and_a_resume_continues_their_runs(
     resumed_tensorboard = tensorboard_scalars(tmp_path / "second" / "tb" / "test_run")
     assert {step: np.float32(row["train/loss"]) for step, row in resumed_wandb["history"].items()} \
         == resumed_tensorboard["train/loss"] == {step: tensorboard["train/loss"][step] for step in (3, 4)}
-    losses = [(m.step, np.float32(m.value)) for m in client.get_metric_history(ids["mlflow"], "train/loss")]
+    losses = [(m.step, np.float32(m.value)) for m in client.get_metric_history(ids["mlflow"], "train.loss")]
     assert sorted(losses) == sorted([*tensorboard["train/loss"].items(), *resumed_tensorboard["train/loss"].items()])
     assert [r.info.run_id for r in client.search_runs([mlflow_run.info.experiment_id])] == [ids["mlflow"]]
     first_weights = load_file(output / "pytorch_lora_weights.safetensors")
