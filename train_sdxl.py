@@ -88,6 +88,7 @@ def train(config: Config, plan: RunPlan) -> int:
     from sdxl_trainer.atomic import OutputWriteError
     from sdxl_trainer.finite import NonFiniteWeightsError
     from sdxl_trainer.nan_guard import ABORT, SKIP
+    from sdxl_trainer.notify import notify_error
     from sdxl_trainer.run import (
         EXIT_FAILED,
         after_step,
@@ -107,7 +108,11 @@ def train(config: Config, plan: RunPlan) -> int:
         run = start_run(config, plan)
     except OutputWriteError as exc:  # a full disk while the caches are built: nothing was trained yet
         print(f"error: {exc}", file=sys.stderr)
+        notify_error(config, exc)
         return EXIT_FAILED
+    except Exception as exc:
+        notify_error(config, exc)
+        raise
     try:
         while run.position.step < run.total_steps:
             for batch in epoch_batches(run):
@@ -136,6 +141,11 @@ def train(config: Config, plan: RunPlan) -> int:
     except OutputWriteError as exc:
         print(f"error: {exc}; earlier checkpoints are intact", file=sys.stderr)
         return finish(run, "failed: could not write the outputs", EXIT_FAILED)
+    except Exception as exc:  # unexpected: the trackers' runs end as failed, run.notify hears of it
+        if run.writer:
+            run.writer.close(EXIT_FAILED)
+        notify_error(config, exc)
+        raise
     finally:
         run.progress.close()
         if run.memory:

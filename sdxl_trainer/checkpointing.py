@@ -144,6 +144,7 @@ class TrainerSnapshot:
     nan_skips: int  # consecutive skipped steps (NaN policy "skip")
     rng: list[dict[str, Any]]  # one `rng_state()` per process
     seconds: float = 0.0  # training time so far, over every session of the run
+    tracker_runs: dict[str, str] = field(default_factory=dict)  # tracker type -> its run's id, which a resume continues
 
 
 def save_state(path: Path, config: Config, soft: dict[str, Any], snapshot: TrainerSnapshot) -> None:
@@ -165,6 +166,7 @@ def save_state(path: Path, config: Config, soft: dict[str, Any], snapshot: Train
         "nan_skips": snapshot.nan_skips,
         "rng": snapshot.rng,
         "seconds": snapshot.seconds,
+        "tracker_runs": snapshot.tracker_runs,
     }
     with atomic_path(path) as tmp:
         torch.save(state, tmp)
@@ -209,6 +211,7 @@ def load_state(path: Path) -> SavedState:
         Position(**state["position"]), state["seed"], state["optimizer"], state["lr_scheduler"], state["scaler"],
         state["ema"], state["nan_skips"], state["rng"],
         seconds=state.get("seconds", 0.0),  # absent in states written before it was saved
+        tracker_runs=state.get("tracker_runs", {}),  # likewise
     )
     return SavedState(snapshot, state["identity"], state["soft"])
 

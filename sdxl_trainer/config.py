@@ -152,12 +152,32 @@ class AdapterConfig(Section):
 
 
 # ----------------------------------------------------------------------------------------- run
+class NotifyConfig(Section):
+    url: str | None = Field(None, description="Webhook called when the run starts and ends (completed, NaN stop, "
+                            "error, interrupted). It is logged with the config: for a secret URL use `url_env`.")
+    url_env: str | None = Field(None, description="Name of an environment variable holding the webhook URL.")
+    format: Literal["auto", "discord", "json"] = Field(
+        "auto", description='`discord`: `{"content": message}`; `json`: a plain JSON object (event, run, status, '
+        "steps, seconds, output_dir, message); `auto`: `discord` for discord.com webhook URLs, else `json`.")
+    timeout_seconds: float = Field(10.0, gt=0.0, le=300.0, description="How long one call may take; a failed or "
+                                   "slow call is one warning line and the run goes on.")
+
+    @model_validator(mode="after")
+    def _one_url(self) -> NotifyConfig:
+        if (self.url is None) == (self.url_env is None):
+            raise _KeyError("run.notify", "needs exactly one of url and url_env")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise _KeyError("run.notify.url", f"= {self.url!r}: must be an http:// or https:// URL")
+        return self
+
+
 class RunConfig(Section):
     name: str = Field(..., min_length=1, description="Name of the run (e.g. `new_beginning_v_0_0_4`).")
     output_root: str = Field(".output", description="Base folder of run outputs.")
     checkpoint_root: str | None = Field(
         None, description="Base folder of single-file checkpoints (default `<output_root>/safetensors`)."
     )
+    notify: NotifyConfig | None = Field(None, description="A webhook told when the run starts and ends.")
 
     @field_validator("name")
     @classmethod
@@ -170,6 +190,40 @@ class RunConfig(Section):
 
 
 # ------------------------------------------------------------------------------------ training
+TRACKER_TYPES = ("wandb", "mlflow", "comet_ml", "aim")
+
+
+class TrackerConfig(Section):
+    type: Literal[TRACKER_TYPES] = Field(  # type: ignore[valid-type]
+        ..., description="`wandb`, `mlflow`, `comet_ml` or `aim` (an optional extra: requirements-trackers.txt); "
+        "TensorBoard is `training.tensorboard`.")
+    project: str = Field("sdxl-trainer", description="wandb/comet project, mlflow experiment, aim experiment.")
+    run_name: str | None = Field(None, description="Name of the tracker's run (default `run.name`).")
+    entity: str | None = Field(None, description="wandb entity (user or team), comet workspace.")
+    tags: list[str] = Field(default_factory=list, description="Tags of the tracker's run.")
+    offline: bool = Field(False, description="wandb and comet_ml: log to local files only (`wandb sync` uploads "
+                          "them later).")
+    dir: str | None = Field(None, description="Local folder: wandb's files (default `./wandb`), mlflow's file "
+                            "store (tracking URI `file:<dir>`), aim's repository (default `.`).")
+    tracking_uri: str | None = Field(None, description="mlflow: the tracking server or store (default "
+                                     "`MLFLOW_TRACKING_URI`, else mlflow's own default).")
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _tensorboard_has_its_block(cls, value: Any) -> Any:
+        if value == "tensorboard":
+            raise ValueError("TensorBoard is on by default and set by training.tensorboard, not listed here")
+        return value
+
+    @model_validator(mode="after")
+    def _settings_that_apply(self) -> TrackerConfig:
+        if self.offline and self.type not in ("wandb", "comet_ml"):
+            raise ValueError(f"offline applies to wandb and comet_ml; {self.type} logs where dir or tracking_uri say")
+        if self.tracking_uri and (self.type != "mlflow" or self.dir):
+            raise ValueError("tracking_uri is mlflow's, and replaces dir (set one of them)")
+        return self
+
+
 class LRSchedulerConfig(Section):
     type: Literal["constant", "linear_decay", "cosine_decay", "cosine_restarts"] = Field(
         "constant", description="Shape of the LR factor after warmup."
@@ -295,6 +349,18 @@ class TrainingConfig(Section):
         "checkpoints, exports or evaluates) before the run fails. PyTorch's NCCL default is 10.",
     )
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig, description="TensorBoard logging.")
+    trackers: list[TrackerConfig] = Field(
+        default_factory=list, description="Experiment trackers beside TensorBoard; each gets every scalar, image "
+        "and text TensorBoard gets, and the resolved config once (docs/training.md, 'Trackers beside TensorBoard').")
+
+    @field_validator("trackers")
+    @classmethod
+    def _one_of_each(cls, value: list[TrackerConfig]) -> list[TrackerConfig]:
+        types = [tracker.type for tracker in value]
+        repeated = sorted({kind for kind in types if types.count(kind) > 1})
+        if repeated:
+            raise ValueError(f"lists {', '.join(repeated)} more than once (one run per tracker)")
+        return value
 
 
 # ---------------------------------------------------------------------------------------- data

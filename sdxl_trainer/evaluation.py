@@ -90,7 +90,7 @@ def run_evaluation(
         raise ValueError("no eval prompts to render")
     base_scheduler_config = pipe.scheduler.config
     images = []
-    with _pipeline_state_kept(pipe), _global_rng_kept(pipe.device), torch.inference_mode():
+    with _pipeline_state_kept(pipe), global_rng_kept(pipe.device), torch.inference_mode():
         vae = fp32_vae(pipe.vae)
         for prompt in prompts:
             # A fresh scheduler per image, and the prompt's seed also in the global CPU generator (which
@@ -177,7 +177,7 @@ def _pipeline_state_kept(pipe: StableDiffusionXLPipeline) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _global_rng_kept(device: torch.device) -> Iterator[None]:
+def global_rng_kept(device: torch.device) -> Iterator[None]:
     """Images use their own generators; whatever else draws from the global torch, numpy or
     Python RNG during eval is undone, so training's random stream (and exact resume) is unchanged."""
     import torch

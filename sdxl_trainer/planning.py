@@ -40,6 +40,7 @@ def check_inputs(config: Config) -> None:
     from .export import check_export
     from .models import check_model, resolve_source
     from .optimizers import check_optimizer
+    from .trackers import check_trackers
 
     unbuilt = unbuilt_options(config)
     if unbuilt:
@@ -50,6 +51,7 @@ def check_inputs(config: Config) -> None:
     check_model(config.model)
     check_optimizer(config.optimizer)
     check_export(config)
+    check_trackers(config)
     if config.model.vae:
         resolve_source(config.model.vae, key="model.vae")
     check_folders(config)

@@ -118,6 +118,8 @@ def start_run(config: Config, plan: RunPlan, pipe: StableDiffusionXLPipeline | N
     `pipe` replaces the model `config.model` names, and a plan without data (`plan.data` None)
     opens no data loader: the caller feeds its own batches (the full-size GPU benchmark does both).
     """
+    from .notify import notify
+
     accelerator = make_accelerator(config)
     lock = claim_output_folder(config, plan, accelerator)
     try:
@@ -127,6 +129,9 @@ def start_run(config: Config, plan: RunPlan, pipe: StableDiffusionXLPipeline | N
             lock.release()
         raise
     run.lock = lock
+    if accelerator.is_main_process:
+        notify(config, "start", f"resumed at step {run.first_step}" if run.first_step else "started",
+               total_steps=run.total_steps, output_dir=str(config.output_dir))
     return run
 
 
@@ -388,9 +393,13 @@ def open_data(run: Run, cache: LatentCache | None) -> None:
 
 
 def open_writer(run: Run, precision: PrecisionPlan):
+    """TensorBoard and the trackers (continuing the resumed run's tracker runs), or None."""
     from .outputs import open_tensorboard
+    from .trackers import open_run_log
 
-    return open_tensorboard(run.config, run.plan.preflight + "\n" + precision.table())
+    preflight = run.plan.preflight + "\n" + precision.table()
+    resumed = run.plan.resume.snapshot.tracker_runs if run.plan.resume else {}
+    return open_run_log(run.config, open_tensorboard(run.config, preflight), resumed, preflight)
 
 
 def make_evaluator(run: Run, cache: LatentCache | None, stand_ins: StandIns) -> Evaluator | None:
@@ -584,6 +593,7 @@ def take_snapshot(run: Run) -> TrainerSnapshot:
         Position(**vars(run.position)), run.seed, whole_optimizer, run.lr_scheduler.state_dict(),
         run.scaler.state_dict(), run.ema.state_dict() if run.ema is not None else None,
         run.guard.consecutive, rng_states, seconds=run.earlier_seconds + time.time() - run.started,
+        tracker_runs=run.writer.run_ids() if run.writer else {},
     )
 
 
@@ -748,8 +758,10 @@ def memory_summary(run: Run) -> dict[str, Any] | None:
 
 
 def finish(run: Run, status: str, code: int) -> int:
-    """Write run_summary.json, close TensorBoard and say where things are (main process only)."""
+    """Write run_summary.json, close TensorBoard and the trackers, tell run.notify and say where
+    things are (main process only)."""
     from .checkpointing import list_checkpoints
+    from .notify import end_event, notify
     from .outputs import write_summary
 
     if not run.accelerator.is_main_process:
@@ -772,9 +784,11 @@ def finish(run: Run, status: str, code: int) -> int:
     except OutputWriteError as exc:  # a full disk: the status line below still says how it ended
         print(f"error: {exc}", file=sys.stderr)
     if run.writer:
-        run.writer.close()
+        run.writer.close(code)
     if run.lock:
         run.lock.release()
+    notify(config, end_event(status, code), status, steps=run.position.step, seconds=summary["seconds"],
+           output_dir=str(config.output_dir))
     steps, resumed = run.position.step, run.first_step > 0
     this_session = f" ({steps - run.first_step} steps in {session:.0f} s since the resume)" if resumed else ""
     print(f"{status}: {steps} steps in {run.earlier_seconds + session:.0f} s{this_session}; "
