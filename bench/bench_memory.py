@@ -176,8 +176,8 @@ ANCHORS = (
      {"adapter": {"type": "none"}}),
     ("this trainer: full fine-tune, fp32 master weights, 8-bit AdamW, checkpointing, fused backward", "",
      {"adapter": {"type": "none"}, "optimizer": {"type": "adamw8bit", "fused_backward": True}}),
-    ("this trainer: full fine-tune, fp32 master weights, Adafactor, checkpointing, fused backward "
-     "(kohya PR #1259: 10 GB in bf16)", "",
+    ("this trainer: full fine-tune, fp32 master weights, Adafactor, checkpointing, fused backward",
+     "10 GB (kohya #1259, bf16 weights)",
      {"adapter": {"type": "none"}, "optimizer": {"type": "adafactor", "fused_backward": True}}),
     ("this trainer: full fine-tune, bf16 weights, AdamW with stochastic rounding, checkpointing, fused backward",
      "", {"adapter": {"type": "none"}, "optimizer": {"type": "adamw", "fused_backward": True},
