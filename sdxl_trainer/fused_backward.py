@@ -22,6 +22,7 @@ why "skip" (which promises an untouched model) is refused.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -30,28 +31,25 @@ import torch
 class FusedBackward:
     """Hooks that step each trained tensor when its gradient is complete (see the module docstring)."""
 
-    def __init__(self, optimizer, named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
-                 check_finite: bool = True) -> None:
-        """`check_finite` False: no check (the memory plan traces tensors that have no values)."""
-        self.check_finite = check_finite
+    def __init__(self, optimizer, named_parameters: Iterable[tuple[str, torch.nn.Parameter]]) -> None:
         self.optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds it
         self.names = {param: name for name, param in named_parameters}
         # A group's index, not the group itself: loading a state replaces the optimizer's group dicts.
         self.group_index = {param: index for index, group in enumerate(self.optimizer.param_groups)
                             for param in group["params"]}
-        self.norms: list[torch.Tensor] = []
+        self.squared_norms: list[float] = []
         self.non_finite: str | None = None  # the first tensor whose gradient was not finite, this step
         self.handles = [param.register_post_accumulate_grad_hook(self.step_tensor) for param in self.group_index]
 
     def step_tensor(self, param: torch.nn.Parameter) -> None:
         """One tensor's optimizer step, then its gradient is freed; nothing once a gradient was non-finite."""
-        norm = torch.linalg.vector_norm(param.grad.detach())
-        if self.non_finite is None and self.check_finite and not torch.isfinite(norm):
+        norm = float(torch.linalg.vector_norm(param.grad.detach()))  # the one host sync per tensor
+        if self.non_finite is None and not math.isfinite(norm):
             self.non_finite = self.names.get(param, "a trained tensor")
         if self.non_finite is not None:
             param.grad = None
             return
-        self.norms.append(norm)
+        self.squared_norms.append(norm * norm)
         groups = self.optimizer.param_groups
         self.optimizer.param_groups = [{**groups[self.group_index[param]], "params": [param]}]
         try:
@@ -61,18 +59,13 @@ class FusedBackward:
         param.grad = None
 
     def finish_step(self) -> tuple[torch.Tensor, str | None]:
-        """The step's total gradient norm (as `clip_grad_norm_` computes it; NaN if a gradient was
-        not finite) and the first tensor whose gradient was not finite; ready for the next step."""
-        device = next(iter(self.group_index)).device
-        if self.non_finite is not None:
-            total = torch.full((), float("nan"), device=device)
-        elif self.norms:
-            total = torch.linalg.vector_norm(torch.stack(self.norms))
-        else:  # no trained tensor received a gradient
-            total = torch.zeros((), device=device)
+        """The step's total gradient norm (the 2-norm of the tensors' norms, as `clip_grad_norm_`
+        computes it; NaN if a gradient was not finite) and the first tensor whose gradient was not
+        finite; ready for the next step."""
+        total = math.nan if self.non_finite is not None else math.sqrt(sum(self.squared_norms))
         first_non_finite = self.non_finite
-        self.norms, self.non_finite = [], None
-        return total, first_non_finite
+        self.squared_norms, self.non_finite = [], None
+        return torch.tensor(total, device=next(iter(self.group_index)).device), first_non_finite
 
     def remove(self) -> None:
         for handle in self.handles:

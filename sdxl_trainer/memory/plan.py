@@ -280,7 +280,7 @@ def _trace_training(config: Config, pipe: StableDiffusionXLPipeline, trainable: 
         for group in optimizer.param_groups:
             if "foreach" in group and group["foreach"] is None:
                 group["foreach"] = True
-    fused = FusedBackward(optimizer, trainable.named_parameters(), check_finite=False) \
+    fused = FusedBackward(optimizer, trainable.named_parameters()) \
         if config.optimizer.fused_backward else None
     sizes = [param.numel() * param.element_size() for param in params]
     if fused:  # one gradient at a time, each stepped and freed before the next exists
