@@ -174,6 +174,14 @@ ANCHORS = (
       "training": {"lr_text_encoder_1": 5e-5}}),
     ("this trainer: full fine-tune, fp32 master weights, 8-bit AdamW, checkpointing", "",
      {"adapter": {"type": "none"}}),
+    ("this trainer: full fine-tune, fp32 master weights, 8-bit AdamW, checkpointing, fused backward", "",
+     {"adapter": {"type": "none"}, "optimizer": {"type": "adamw8bit", "fused_backward": True}}),
+    ("this trainer: full fine-tune, fp32 master weights, Adafactor, checkpointing, fused backward",
+     "10 GB (kohya #1259, bf16 weights)",
+     {"adapter": {"type": "none"}, "optimizer": {"type": "adafactor", "fused_backward": True}}),
+    ("this trainer: full fine-tune, bf16 weights, AdamW with stochastic rounding, checkpointing, fused backward",
+     "", {"adapter": {"type": "none"}, "optimizer": {"type": "adamw", "fused_backward": True},
+          "model": {"weights_dtype": "bf16"}}),
 )
 
 

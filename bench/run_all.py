@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import BENCH, bench_args, quiet_env
 
 BENCHMARKS = ("bench_step", "bench_text_cache", "bench_dora", "bench_data", "bench_convert", "bench_startup",
-              "bench_learning")
+              "bench_learning", "bench_fused")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -572,6 +572,11 @@ class DataConfig(FolderOptions):
 
 
 # ----------------------------------------------------------------------------------- optimizer
+# The optimizers whose update of a tensor reads that tensor's gradient and state alone
+# (`optimizer.fused_backward` steps one tensor at a time).
+FUSABLE_OPTIMIZERS = ("adamw", "adamw8bit", "adafactor", "lion", "lion8bit", "came")
+
+
 class OptimizerConfig(Section):
     type: Literal[
         "adamw8bit", "adamw", "adafactor", "prodigy", "adamw_schedulefree", "lion", "lion8bit", "came"
@@ -588,6 +593,11 @@ class OptimizerConfig(Section):
     args: dict[str, Any] = Field(
         default_factory=dict, description="Further keyword arguments of the optimizer's constructor, checked "
         'against it (e.g. `{"d_coef": 0.5}` for Prodigy).')
+    fused_backward: bool = Field(
+        False, description="Step each trained tensor inside the backward pass as soon as its gradient is complete, "
+        "and free that gradient (saves the memory of all gradients: 5-10 GB for a full SDXL UNet). For AdamW, 8-bit "
+        "AdamW, Adafactor, Lion and CAME, on one process, with `training.grad_accum_steps` 1, no "
+        "`training.max_grad_norm`, bf16 or fp32, and `training.nan_policy` \"abort\" (docs/memory.md).")
 
     @field_validator("betas")
     @classmethod
@@ -712,6 +722,31 @@ class Config(Section):
                     f"must be set because model.train_text_encoder_{index} is true "
                     f"(or set model.train_text_encoder_{index} to false)",
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _fused_backward_holds(self) -> Config:
+        """What `optimizer.fused_backward` cannot be combined with (sdxl_trainer/fused_backward.py says why)."""
+        if not self.optimizer.fused_backward:
+            return self
+        training = self.training
+        refusals = {
+            "optimizer.type": (self.optimizer.type not in FUSABLE_OPTIMIZERS,
+                               f'"{self.optimizer.type}" couples the tensors of a group; fusable: '
+                               + ", ".join(FUSABLE_OPTIMIZERS)),
+            "training.grad_accum_steps": (training.grad_accum_steps > 1,
+                                          "is above 1: a gradient is complete only after the last micro-batch"),
+            "training.max_grad_norm": (training.max_grad_norm is not None,
+                                       "clips by the global norm, known only after the last gradient; remove it"),
+            "training.mixed_precision": (self.precision == "fp16",
+                                         '"fp16": its grad scaler decides after all gradients; use bf16'),
+            "training.nan_policy": (training.nan_policy == "skip",
+                                    '"skip" cannot undo the tensors stepped before a non-finite gradient; '
+                                    'use "abort"'),
+        }
+        for key, (refused, reason) in refusals.items():
+            if refused:
+                raise _KeyError(key, f"{reason} (optimizer.fused_backward is true)")
         return self
 
     # Derived values ------------------------------------------------------------------------

@@ -30,6 +30,9 @@ FSDP_HELP = "see docs/multi-gpu.md, 'Full fine-tuning sharded with FSDP'"
 def check_launch(config: Config, environ: Mapping[str, str]) -> None:
     """Refuse, before loading anything, a sharded launch (set by `accelerate launch` in the
     environment) that this trainer does not support, naming what to change."""
+    if config.optimizer.fused_backward and int(environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("optimizer.fused_backward works on one process: under DDP its hook would step a tensor "
+                          "before the processes' gradients are averaged; set it to false for multi-GPU runs")
     if environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         raise ConfigError("DeepSpeed is not supported: use FSDP (fsdp_version: 2) for sharded full fine-tuning, "
                           f"or plain data parallel (accelerate launch --multi_gpu); {FSDP_HELP}")

@@ -235,6 +235,8 @@ def describe_optimizer(config: Config) -> str:
     """The optimizer, its extra arguments, LoRA+, and a warning for Prodigy with Adam-sized rates."""
     optimizer, training = config.optimizer, config.training
     line = f"optimizer: {optimizer.type}" + "".join(f", {key}={value}" for key, value in optimizer.args.items())
+    if optimizer.fused_backward:
+        line += "; fused backward: each tensor is stepped in backward and its gradient freed"
     if config.adapter.loraplus_lr_ratio:
         line += f"; LoRA+: B matrices at {config.adapter.loraplus_lr_ratio:g}x the learning rate"
     rates = [rate for rate in (training.lr_unet, training.lr_text_encoder_1, training.lr_text_encoder_2) if rate]

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from .diffusion import LossModels
     from .ema import EMA
     from .evaluator import Evaluator
+    from .fused_backward import FusedBackward
     from .latent_cache import LatentCache
     from .memory.watch import PeakWatch
     from .output_folder import OutputLock
@@ -95,6 +96,7 @@ class Run:
     first_step: int = 0  # where this session started (a resume starts later than 0)
     earlier_seconds: float = 0.0  # training time of the sessions before a resume
     memory: PeakWatch | None = None  # the measured peak, beside the plan (when there is one)
+    fused: FusedBackward | None = None  # optimizer.fused_backward: steps taken inside backward
 
     @property
     def device(self) -> torch.device:
@@ -184,6 +186,10 @@ def assemble_run(config: Config, plan: RunPlan, accelerator: Accelerator,
         restore_training_state(run, state)
     accelerator.print(trainable.describe())
     run.trained_params = list(trainable.parameters())
+    if config.optimizer.fused_backward:
+        from .fused_backward import FusedBackward
+
+        run.fused = FusedBackward(optimizer, trainable.named_parameters())
     if is_sharded(accelerator):
         accelerator.print(describe_sharding(accelerator, trainable))
     if plan.data is not None:
@@ -459,22 +465,28 @@ def optimizer_step(run: Run, loss: torch.Tensor) -> StepResult:
     from .nan_guard import non_finite_report
 
     training, tally = run.config.training, run.tally
-    run.scaler.unscale_(run.optimizer)
-    if training.max_grad_norm:
-        grad_norm = torch.nn.utils.clip_grad_norm_(run.trained_params, training.max_grad_norm)
-    else:  # the norm alone (logging, NaN check): no multiply-by-one over every gradient
-        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in run.trained_params if p.grad is not None])
-    grad_norm = plain_tensor(grad_norm)
+    first_non_finite = None
+    if run.fused:  # the tensors were stepped during backward, each after its gradient was checked
+        grad_norm, first_non_finite = run.fused.finish_step()
+    else:
+        run.scaler.unscale_(run.optimizer)
+        if training.max_grad_norm:
+            grad_norm = torch.nn.utils.clip_grad_norm_(run.trained_params, training.max_grad_norm)
+        else:  # the norm alone (logging, NaN check): no multiply-by-one over every gradient
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in run.trained_params if p.grad is not None])
+        grad_norm = plain_tensor(grad_norm)
     verdict = run.guard.check(loss, grad_norm, run.position.step + 1, tally.batch_paths, run.accelerator)
     if verdict == ABORT:
+        reason = "the loss or the gradients became NaN/Inf"
+        if first_non_finite:
+            reason += f" (fused backward: first at {first_non_finite}; the tensors stepped before it were updated)"
         print(non_finite_report(run.position.step + 1, loss, tally.batch_paths, tally.batch_timesteps,
-                                list(run.trainable.named_parameters()), "the loss or the gradients became NaN/Inf"),
-              file=sys.stderr)
+                                list(run.trainable.named_parameters()), reason), file=sys.stderr)
         return StepResult(verdict, grad_norm)
     if verdict == SKIP:
         print(f"warning: non-finite loss or gradients at step {run.position.step + 1}; step skipped "
               f"({run.guard.consecutive} in a row, at most {training.max_nan_skips})", file=sys.stderr)
-    else:
+    elif not run.fused:
         run.scaler.step(run.optimizer)  # the scaler itself skips steps whose fp16 gradients overflowed
     run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)

@@ -84,6 +84,10 @@ def test_cpu_benchmarks_smoke(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
         assert all(0.0 <= row[key] <= 1.0 for key in row if key != "method")
     assert (tmp_path / "learning_grid.png").stat().st_size > 1000
 
+    for row in rows_of(tmp_path / "fused.json"):  # fused backward frees every gradient during backward
+        assert_positive(row, "ordinary_s", "fused_s", "time_ratio", "saved_MB")
+        assert row["fused_peak_MB"] < row["ordinary_peak_MB"]
+
     preflight = rows_of(tmp_path / "preflight.json")
     assert [(row["images"], row["scan_cache"], row["workers"]) for row in preflight] == [
         (12, "cold", 1), (12, "cold", 2), (12, "warm", 2)]

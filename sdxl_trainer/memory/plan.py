@@ -267,6 +267,7 @@ def _trace_training(config: Config, pipe: StableDiffusionXLPipeline, trainable: 
     which has that state, the gradients and the EMA alive beside its activations."""
     from ..diffusion import DrawSettings, LossModels, LossSettings, diffusion_loss, make_noise_scheduler, sample_draws
     from ..ema import EMA
+    from ..fused_backward import FusedBackward
     from ..optimizers import is_schedule_free, make_optimizer
     from ..precision import ENCODERS
 
@@ -279,11 +280,21 @@ def _trace_training(config: Config, pipe: StableDiffusionXLPipeline, trainable: 
         for group in optimizer.param_groups:
             if "foreach" in group and group["foreach"] is None:
                 group["foreach"] = True
-    for param in params:
-        param.grad = torch.zeros_like(param)
-    plan.gradients = sum(param.grad.numel() * param.grad.element_size() for param in params)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    fused = FusedBackward(optimizer, trainable.named_parameters()) \
+        if config.optimizer.fused_backward else None
+    sizes = [param.numel() * param.element_size() for param in params]
+    if fused:  # one gradient at a time, each stepped and freed before the next exists
+        for param in params:
+            param.grad = torch.zeros_like(param)
+            fused.step_tensor(param)
+        fused.finish_step()
+        plan.gradients = max(sizes)
+    else:
+        for param in params:
+            param.grad = torch.zeros_like(param)
+        plan.gradients = sum(sizes)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     plan.optimizer_state = _state_bytes(optimizer)
     ema = None
     if config.model.use_ema and (config.model.ema_device == "same" or plan.device == "cpu"):
@@ -301,7 +312,10 @@ def _trace_training(config: Config, pipe: StableDiffusionXLPipeline, trainable: 
     with traced.autocast():
         loss = diffusion_loss(LossModels(pipe, pipe.unet, encoders), scheduler, batch, draws, "meta",
                               LossSettings.of(config.training, True))
-    loss.backward()
+    loss.backward()  # with fused backward, each tensor's step and its gradient's release happen in here
+    if fused:
+        fused.finish_step()
+        fused.remove()
     torch.nn.utils.get_total_norm([param.grad for param in params if param.grad is not None])
     plan.train_peak = live.peak
     del loss, ema

@@ -135,6 +135,10 @@ def ways_to_fit(config: Config, shape: StepShape, device: str, memory: MemoryPla
     if config.optimizer.type not in ("adamw8bit", "lion8bit", "adafactor"):
         remedies += [Remedy('8-bit AdamW (optimizer.type "adamw8bit")', {"optimizer.type": "adamw8bit"}),
                      Remedy('Adafactor (optimizer.type "adafactor")', {"optimizer.type": "adafactor"})]
+    if fused_backward_fits(config):
+        changes = {"optimizer.fused_backward": True, "training.max_grad_norm": None}
+        without_clipping = "; without training.max_grad_norm" if config.training.max_grad_norm else ""
+        remedies.append(Remedy(f"fused backward (optimizer.fused_backward{without_clipping})", changes))
     if not config.data.text_cache.enabled:
         remedies.append(Remedy("the text cache (data.text_cache.enabled)", {"data.text_cache.enabled": True}))
     for key in ("train_text_encoder_1", "train_text_encoder_2"):
@@ -148,6 +152,17 @@ def ways_to_fit(config: Config, shape: StepShape, device: str, memory: MemoryPla
         batch = 1 if "training.grad_accum_steps" in remedy.changes else shape.batch
         remedy.peak = cached_plan(changed, StepShape(batch, shape.height, shape.width, shape.eval_size), device).peak
     return sorted((r for r in remedies if r.peak < memory.peak), key=lambda r: r.peak)
+
+
+def fused_backward_fits(config: Config) -> bool:
+    """Whether fused backward is worth proposing: a full fine-tune (an adapter's gradients are small)
+    whose other settings allow it, clipping aside (the proposal removes it)."""
+    from ..config import FUSABLE_OPTIMIZERS
+
+    training = config.training
+    return (config.adapter.type == "none" and not config.optimizer.fused_backward
+            and config.optimizer.type in FUSABLE_OPTIMIZERS and training.grad_accum_steps == 1
+            and config.precision != "fp16" and training.nan_policy == "abort")
 
 
 def _with_changes(config: Config, changes: dict[str, Any]) -> Config:
