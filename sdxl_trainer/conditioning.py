@@ -9,7 +9,8 @@ if TYPE_CHECKING:
 
 
 def encode_prompts(
-    captions: list[str], tokenizers: list, text_encoders: list, device: torch.device, zero_empty: bool = False
+    captions: list[str], tokenizers: list, text_encoders: list, device: torch.device, zero_empty: bool = False,
+    max_tokens: int = 75,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (prompt_embeds, pooled_embeds) for a batch of captions.
 
@@ -17,7 +18,8 @@ def encode_prompts(
     (768 + 1280 = 2048 for SDXL); pooled_embeds is the projected pooled output of encoder 2.
     With `zero_empty` (the pipeline's `force_zeros_for_empty_prompt`, true for SDXL base) an empty
     caption — a dropped one — gets all-zero embeddings: exactly the unconditional input that
-    SDXL's classifier-free guidance uses at inference.
+    SDXL's classifier-free guidance uses at inference. `max_tokens` is `data.max_token_length`:
+    over 75, long captions are encoded in 75-token chunks (long_prompts.py).
     """
     import torch
 
@@ -27,9 +29,9 @@ def encode_prompts(
         if hasattr(text_encoder, "cached_outputs"):  # the text cache's stand-in (text_cache.CachedEncoder)
             hidden, pooled = text_encoder.cached_outputs(captions, device)
         elif any(param.requires_grad for param in text_encoder.parameters()):
-            hidden, pooled = encoder_outputs(captions, tokenizer, text_encoder, device)
+            hidden, pooled = encoder_outputs(captions, tokenizer, text_encoder, device, max_tokens)
         else:
-            hidden, pooled = frozen_encoder_outputs(captions, tokenizer, text_encoder, device)
+            hidden, pooled = frozen_encoder_outputs(captions, tokenizer, text_encoder, device, max_tokens)
         hidden_states.append(hidden)
     prompt_embeds = torch.cat(hidden_states, dim=-1)
     if zero_empty:
@@ -39,29 +41,50 @@ def encode_prompts(
     return prompt_embeds, pooled
 
 
-def prompt_ids(tokenizer, captions: list[str]) -> torch.Tensor:
-    """Token ids padded and truncated to the tokenizer's length, as the SDXL pipeline makes them."""
-    return tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
-                     return_tensors="pt").input_ids
-
-
-def encoder_outputs(captions: list[str], tokenizer, text_encoder, device) -> tuple[torch.Tensor, torch.Tensor]:
+def encoder_outputs(captions: list[str], tokenizer, text_encoder, device,
+                    max_tokens: int = 75) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One encoder's (penultimate hidden states, pooled output) for a batch of captions; the pooled
-    output is the projected one where the encoder has a projection (SDXL's encoder 2)."""
-    output = text_encoder(prompt_ids(tokenizer, captions).to(device), output_hidden_states=True)
-    return output.hidden_states[-2], output.text_embeds if hasattr(output, "text_embeds") else output.pooler_output
+    output is the projected one where the encoder has a projection (SDXL's encoder 2). A caption
+    of several chunks gets its chunks' hidden states one after another and its first chunk's
+    pooled output (long_prompts.py)."""
+    import torch
+
+    from .long_prompts import caption_ids, common_length
+
+    rows = [caption_ids(tokenizer, caption, max_tokens) for caption in captions]
+    output = text_encoder(torch.cat(rows).to(device), output_hidden_states=True)
+    hidden = output.hidden_states[-2]
+    pooled = output.text_embeds if hasattr(output, "text_embeds") else output.pooler_output
+    counts = [len(ids) for ids in rows]
+    firsts = torch.tensor([sum(counts[:index]) for index in range(len(counts))], device=hidden.device)
+    contexts = [chunks.reshape(-1, hidden.shape[-1]) for chunks in hidden.split(counts)]
+    return common_length(contexts), None if pooled is None else pooled[firsts]  # None: a recorded encoder 1
 
 
-def frozen_encoder_outputs(captions: list[str], tokenizer, text_encoder,
-                           device) -> tuple[torch.Tensor, torch.Tensor]:
+def frozen_encoder_outputs(captions: list[str], tokenizer, text_encoder, device,
+                           max_tokens: int = 75) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A frozen encoder's outputs one caption at a time, exactly as the text cache computes them: a
     row of a matmul can come out different in its last bit with the batch it is computed in, and a
     run with the cache must train exactly like one without."""
     import torch
 
+    from .long_prompts import common_length
+
     with torch.no_grad():
-        rows = [encoder_outputs([caption], tokenizer, text_encoder, device) for caption in captions]
-    return torch.cat([hidden for hidden, _ in rows]), torch.cat([pooled for _, pooled in rows])
+        rows = [encoder_outputs([caption], tokenizer, text_encoder, device, max_tokens) for caption in captions]
+    pooled = [pooled for _, pooled in rows]
+    return common_length([hidden[0] for hidden, _ in rows]), None if pooled[0] is None else torch.cat(pooled)
+
+
+def pipeline_prompt_embeds(pipe, prompt: str, negative_prompt: str, max_tokens: int) -> dict[str, torch.Tensor]:
+    """A long eval prompt's conditioning as the SDXL pipeline's keyword arguments: both prompts
+    chunked as in training, the negative one zero when empty (the pipeline's
+    `force_zeros_for_empty_prompt`, as its own `encode_prompt` does), both of one length."""
+    embeds, pooled = encode_prompts(
+        [prompt, negative_prompt], [pipe.tokenizer, pipe.tokenizer_2], [pipe.text_encoder, pipe.text_encoder_2],
+        pipe.device, zero_empty=pipe.config.force_zeros_for_empty_prompt, max_tokens=max_tokens)
+    return {"prompt_embeds": embeds[:1], "negative_prompt_embeds": embeds[1:],
+            "pooled_prompt_embeds": pooled[:1], "negative_pooled_prompt_embeds": pooled[1:]}
 
 
 def add_time_ids(

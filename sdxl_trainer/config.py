@@ -427,6 +427,11 @@ class DataConfig(FolderOptions):
         65_536, description="Captions longer than this (in UTF-8 bytes) are skipped with their image: CLIP reads "
         "77 tokens (a few hundred characters), and a huge file (a wrong one) would stall the pre-flight."
     )
+    max_token_length: Literal[75, 150, 225] = Field(
+        75, description="Caption tokens each text encoder reads: 75 (CLIP's 77 with its start and end token; a "
+        "longer caption is cut there, as the SDXL pipeline cuts it), or 150 / 225, encoded in 75-token chunks as "
+        "kohya's `--max_token_length` and ComfyUI encode long prompts (docs/data.md). The same "
+        "for the eval prompts; the pre-flight counts the captions cut.")
     num_workers: int = Field(2, ge=0, description="Data-loader worker processes.")
     scan_cache_dir: str = Field(
         "./cache/scan", description="Scan cache folder: each image's size and decode check, kept so that a start "

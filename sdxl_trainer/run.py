@@ -171,8 +171,9 @@ def assemble_run(config: Config, plan: RunPlan, accelerator: Accelerator,
     training = config.training
     guard = NaNGuard(training.nan_policy if not training.detect_anomaly else "abort", training.max_nan_skips,
                      precision.uses_grad_scaler, consecutive=state.nan_skips if state else 0)
+    models = LossModels(pipe, unet, text_encoders, config.data.max_token_length)
     run = Run(config, plan, accelerator, pipe, noise_scheduler, trainable, prepared,
-              LossModels(pipe, unet, text_encoders), optimizer, lr_scheduler, scaler, precision.autocast(), guard, seed)
+              models, optimizer, lr_scheduler, scaler, precision.autocast(), guard, seed)
     if is_schedule_free(optimizer):
         optimizer.train()  # it steps only in train mode; a resumed state says so again
     if state:
@@ -307,6 +308,7 @@ def setup_models(config: Config, plan: RunPlan, precision: PrecisionPlan, accele
     from .data import build_latent_cache
     from .diffusion import make_noise_scheduler
     from .latent_cache import vae_fingerprint
+    from .long_prompts import length_report, local_tokenizer
     from .planning import make_latent_cache
     from .precision import audit, cast_trained_parameters, place_pipeline
     from .training_setup import prepare_trainable
@@ -315,6 +317,8 @@ def setup_models(config: Config, plan: RunPlan, precision: PrecisionPlan, accele
     resume_folder = plan.resume.folder if plan.resume else None
     place_pipeline(pipe, precision, device)
     accelerator.print(f"attention: {set_attention(pipe.unet, config.model.attention, device.type)}")
+    if plan.data is not None and local_tokenizer(config.model) is None:  # not counted in the pre-flight
+        accelerator.print(length_report(pipe.tokenizer, config.data.max_token_length, plan.data, plan.prompts))
     noise_scheduler = make_noise_scheduler(
         pipe.scheduler.config, config.training.prediction_type, config.training.zero_terminal_snr
     )
@@ -400,7 +404,8 @@ def make_evaluator(run: Run, cache: LatentCache | None, stand_ins: StandIns) -> 
         validation = make_validation(batches, run.noise_scheduler.config.num_train_timesteps, run.seed)
 
     def eval_loss(pipe: StableDiffusionXLPipeline, batch: dict, draws) -> torch.Tensor:
-        return diffusion_loss(LossModels.of(pipe, stand_ins.loss), run.noise_scheduler, batch, draws, run.device)
+        models = LossModels.of(pipe, stand_ins.loss, run.config.data.max_token_length)
+        return diffusion_loss(models, run.noise_scheduler, batch, draws, run.device)
 
     return Evaluator(run.config, run.plan.prompts, validation, eval_loss, list(run.trainable.modules), run.writer,
                      stand_ins.eval)
