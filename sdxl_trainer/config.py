@@ -586,6 +586,45 @@ class EvalConfig(Section):
     final: FinalEvalConfig = Field(default_factory=FinalEvalConfig, description="Evaluation after training.")
 
 
+# --------------------------------------------------------------------------- textual inversion
+class NewTokenConfig(Section):
+    token: str = Field(
+        ..., min_length=1, description="The new word as captions and prompts write it, e.g. `<sks>`: one word "
+        "(no spaces) the tokenizers do not already know as one token.")
+    vectors: int = Field(1, ge=1, le=16, description="Embedding vectors it stands for (diffusers adds "
+                         "`<sks>`, `<sks>_1`, …; a caption's `<sks>` reads all of them).")
+    init_word: str = Field(..., description="A word whose token embeddings the vectors start from (cycled "
+                           "when it has fewer tokens than `vectors`), e.g. the concept's class: `dog`.")
+
+    @field_validator("token")
+    @classmethod
+    def _one_word(cls, value: str) -> str:
+        if value != value.strip() or any(char.isspace() for char in value):
+            raise ValueError("must be one word, without spaces")
+        return value
+
+
+class TextualInversionConfig(Section):
+    tokens: list[NewTokenConfig] = Field(
+        default_factory=list, description="New tokens whose embeddings train in both text encoders (CLIP-L and "
+        "bigG); only their rows of the embedding tables train. Empty: no textual inversion.")
+    train_adapter: bool = Field(
+        False, description="Pivotal tuning: the adapter (`adapter`) trains with the embeddings. False: "
+        "textual inversion alone, everything else frozen.")
+    lr: float = Field(1e-3, gt=0.0, description="Learning rate of the new embeddings.")
+    train_fraction: float = Field(
+        1.0, gt=0.0, le=1.0, description="Fraction of the optimizer steps during which the embeddings train "
+        "(diffusers' pivotal tuning: `train_text_encoder_ti_frac`); afterwards they stay as they are.")
+
+    @model_validator(mode="after")
+    def _distinct(self) -> TextualInversionConfig:
+        names = [new.token for new in self.tokens]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise _KeyError("textual_inversion.tokens", f"names {repeated[0]!r} twice")
+        return self
+
+
 # ---------------------------------------------------------------------------------------- root
 class Config(Section):
     """A whole run. Only `run.name` and a stop condition are required."""
@@ -603,6 +642,9 @@ class Config(Section):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer.")
     export: ExportConfig = Field(default_factory=ExportConfig, description="Files written after training.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Sample images during and after training.")
+    textual_inversion: TextualInversionConfig = Field(
+        default_factory=TextualInversionConfig, description="New words: textual inversion and pivotal tuning "
+        "(docs/training.md).")
 
     @model_validator(mode="after")
     def _no_contradictions(self) -> Config:
@@ -643,7 +685,22 @@ class Config(Section):
                     f"must be set because model.train_text_encoder_{index} is true "
                     f"(or set model.train_text_encoder_{index} to false)",
                 )
+        self._check_textual_inversion()
         return self
+
+    def _check_textual_inversion(self) -> None:
+        inversion = self.textual_inversion
+        if not inversion.tokens:
+            return
+        if inversion.train_adapter and self.adapter.type == "none":
+            raise _KeyError("textual_inversion.train_adapter", 'trains an adapter, but adapter.type is "none" '
+                            "(a full fine-tune with new tokens is not supported)")
+        if not inversion.train_adapter:
+            for index in (1, 2):
+                if getattr(self.model, f"train_text_encoder_{index}"):
+                    raise _KeyError(f"model.train_text_encoder_{index}", "is true, but textual inversion alone "
+                                    "trains the new embeddings only: set it to false (or textual_inversion."
+                                    "train_adapter to true)")
 
     # Derived values ------------------------------------------------------------------------
     @property

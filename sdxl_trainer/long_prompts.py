@@ -77,11 +77,29 @@ def prompt_ids(tokenizer, captions: list[str]) -> torch.Tensor:
                      return_tensors="pt").input_ids
 
 
+def expand_vectors(tokenizer, text: str) -> str:
+    """The text with each added token of several vectors written as all of them (`<sks>` →
+    `<sks> <sks>_1 …`), as diffusers' `maybe_convert_prompt` writes it before its pipeline
+    tokenizes (textual inversion, embeddings.py); unchanged without such tokens."""
+    added = tokenizer.added_tokens_encoder
+    if not any(f"{token}_1" in added for token in added):
+        return text
+    for token in set(tokenizer.tokenize(text)):
+        if token in added:
+            replacement, index = token, 1
+            while f"{token}_{index}" in added:
+                replacement += f" {token}_{index}"
+                index += 1
+            text = text.replace(token, replacement)
+    return text
+
+
 def caption_ids(tokenizer, text: str, max_tokens: int) -> torch.Tensor:
     """One text's token ids as (chunks, 77) rows: with 75 the SDXL pipeline's single padded and
     truncated row; else up to `max_tokens // 75` chunks, each `<BOS> … <EOS> <pad>…`."""
     import torch
 
+    text = expand_vectors(tokenizer, text)
     if max_tokens == CHUNK_TOKENS:
         return prompt_ids(tokenizer, [text])
     rows = []
