@@ -26,12 +26,7 @@ def encode_prompts(
     hidden_states = []
     pooled = None
     for tokenizer, text_encoder in zip(tokenizers, text_encoders, strict=True):
-        if hasattr(text_encoder, "cached_outputs"):  # the text cache's stand-in (text_cache.CachedEncoder)
-            hidden, pooled = text_encoder.cached_outputs(captions, device)
-        elif any(param.requires_grad for param in text_encoder.parameters()):
-            hidden, pooled = encoder_outputs(captions, tokenizer, text_encoder, device, max_tokens)
-        else:
-            hidden, pooled = frozen_encoder_outputs(captions, tokenizer, text_encoder, device, max_tokens)
+        hidden, pooled = one_encoder(captions, tokenizer, text_encoder, device, max_tokens)
         hidden_states.append(hidden)
     prompt_embeds = torch.cat(hidden_states, dim=-1)
     if zero_empty:
@@ -39,6 +34,58 @@ def encode_prompts(
         prompt_embeds = prompt_embeds * keep[:, None, None].to(prompt_embeds.dtype)
         pooled = pooled * keep[:, None].to(pooled.dtype)
     return prompt_embeds, pooled
+
+
+def one_encoder(captions: list[str], tokenizer, text_encoder, device,
+                max_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One encoder's outputs for a batch: the captions that hold a new token (textual inversion,
+    embeddings.py) through the live encoder, with gradients for the new rows; the others as
+    without new tokens (from the text cache, or frozen one at a time, or trained)."""
+    import torch
+
+    from .long_prompts import common_length
+
+    live = getattr(text_encoder, "live", None) or text_encoder  # a CachedEncoder keeps the encoder for those
+    words = new_words(live)
+    marked = [any(word in caption for word in words) for caption in captions]
+    if not any(marked):
+        return plain_outputs(captions, tokenizer, text_encoder, device, max_tokens)
+    parts = {}
+    for flag, run in ((False, plain_outputs), (True, encoder_outputs)):
+        chosen = [index for index, mark in enumerate(marked) if mark == flag]
+        if chosen:
+            hidden, pooled = run([captions[index] for index in chosen], tokenizer, live if flag else text_encoder,
+                                 device, max_tokens)
+            parts.update({index: (hidden[row], None if pooled is None else pooled[row])
+                          for row, index in enumerate(chosen)})
+    rows = [parts[index] for index in range(len(captions))]
+    pooled = None if any(pool is None for _, pool in rows) else torch.stack([pool for _, pool in rows])
+    return common_length([hidden for hidden, _ in rows]), pooled
+
+
+def new_words(encoder) -> list[str]:
+    """The textual inversion tokens an encoder's embedding table holds (none without)."""
+    module = getattr(encoder, "module", encoder)  # under DDP, the wrapped encoder
+    table = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
+    return getattr(table, "words", [])
+
+
+def plain_outputs(captions: list[str], tokenizer, text_encoder, device,
+                  max_tokens: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Outputs for captions without new tokens: cached, trained (batched, with gradients) or frozen."""
+    if hasattr(text_encoder, "cached_outputs"):  # the text cache's stand-in (text_cache.CachedEncoder)
+        return text_encoder.cached_outputs(captions, device)
+    rows = {id(parameter) for parameter in new_rows(text_encoder)}
+    if any(param.requires_grad and id(param) not in rows for param in text_encoder.parameters()):
+        return encoder_outputs(captions, tokenizer, text_encoder, device, max_tokens)
+    return frozen_encoder_outputs(captions, tokenizer, text_encoder, device, max_tokens)
+
+
+def new_rows(encoder) -> list:
+    """The parameters of an encoder's new token rows (none without textual inversion)."""
+    module = getattr(encoder, "module", encoder)
+    table = module.get_input_embeddings() if hasattr(module, "get_input_embeddings") else None
+    return [table.new] if hasattr(table, "new") else []
 
 
 def encoder_outputs(captions: list[str], tokenizer, text_encoder, device,

@@ -364,6 +364,9 @@ class FolderOptions(Section):
         "without extension, underscores as spaces.")
     caption_extension: str = Field(
         ".txt", pattern=r"^\.[A-Za-z0-9_.-]+$", description="Extension of the caption files (e.g. `.caption`).")
+    caption_prefix: str = Field(
+        "", description="Text put before every caption of the folder, with a space (kohya's `caption_prefix`): "
+        "a trigger word, or a textual inversion token (`textual_inversion.tokens`) for captions that lack it.")
     caption_dropout_prob: Probability = Field(0.0, description="Probability of dropping the whole caption.")
     caption_shuffle_prob: Probability = Field(0.0, description="Probability of shuffling the caption's parts.")
     caption_shuffle_separator: str = Field(",", min_length=1, description="Separator that splits a caption.")
@@ -696,6 +699,9 @@ class Config(Section):
             raise _KeyError("textual_inversion.train_adapter", 'trains an adapter, but adapter.type is "none" '
                             "(a full fine-tune with new tokens is not supported)")
         if not inversion.train_adapter:
+            if inversion.train_fraction < 1:
+                raise _KeyError("textual_inversion.train_fraction", "is below 1, but textual inversion alone "
+                                "would then train nothing: it is for pivotal tuning (train_adapter true)")
             for index in (1, 2):
                 if getattr(self.model, f"train_text_encoder_{index}"):
                     raise _KeyError(f"model.train_text_encoder_{index}", "is true, but textual inversion alone "

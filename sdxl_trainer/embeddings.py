@@ -13,6 +13,8 @@ per encoder).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,7 +24,8 @@ import torch
 from .config import ConfigError
 
 if TYPE_CHECKING:
-    from .config import TextualInversionConfig
+    from .config import Config, TextualInversionConfig
+    from .data_plan import DatasetPlan
 
 ENCODERS = {"text_encoder": ("tokenizer", "clip_l"), "text_encoder_2": ("tokenizer_2", "clip_g")}
 
@@ -103,6 +106,11 @@ def add_tokens(pipe, settings: TextualInversionConfig) -> TokenSet:
             init = tokenizer(new.init_word, add_special_tokens=False).input_ids
             rows += [base.weight.detach()[init[index % len(init)]].float() for index in range(new.vectors)]
             tokenizer.add_tokens(vector_tokens(new.token, new.vectors))
+        added = tokenizer.convert_tokens_to_ids([entry for new in settings.tokens
+                                                 for entry in vector_tokens(new.token, new.vectors)])
+        if added != list(range(base.num_embeddings, base.num_embeddings + len(rows))):
+            raise ValueError(f"{tokenizer_name} has {len(tokenizer) - len(rows)} entries but {name} "
+                             f"{base.num_embeddings} rows: the new tokens' ids would not be their rows")
         words = [new.token for new in settings.tokens]
         tables[name] = NewRowsEmbedding(base, torch.stack(rows).to(base.weight.device), words)
         encoder.set_input_embeddings(tables[name])
@@ -142,3 +150,85 @@ def file_stem(token: str) -> str:
     """A file name for a token: its letters, digits, '-' and '_' (`<sks>` → `sks`)."""
     stem = "".join(char for char in token if char.isalnum() or char in "-_")
     return stem or "embedding"
+
+
+def attach_tokens(pipe, config: Config, resume_folder: Path | None) -> TokenSet | None:
+    """Add the config's new tokens to the pipeline (after the precision audit: their rows keep fp32
+    master weights in encoders stored in the compute dtype) and, resuming, their saved vectors."""
+    if not config.textual_inversion.tokens:
+        return None
+    tokens = add_tokens(pipe, config.textual_inversion)
+    if resume_folder is not None:
+        load_embedding_files(tokens, resume_folder)
+    return tokens
+
+
+def load_embedding_files(tokens: TokenSet, folder: Path) -> None:
+    """Put the vectors of a checkpoint's embedding files back; a missing file or one of another
+    shape (another model, another `vectors`) is a ConfigError naming it."""
+    from safetensors.torch import load_file
+
+    start = 0
+    for new in tokens.settings.tokens:
+        path = folder / f"{file_stem(new.token)}.safetensors"
+        if not path.is_file():
+            raise ConfigError(f"training.resume_from: no {path.name} in {folder} (the embedding of {new.token!r})")
+        saved = load_file(path)
+        for name, (_, key) in ENCODERS.items():
+            table = tokens.tables[name].new
+            expected = (new.vectors, table.shape[1])
+            if key not in saved or tuple(saved[key].shape) != expected:
+                found = tuple(saved[key].shape) if key in saved else "no such tensor"
+                raise ConfigError(f"training.resume_from: {path}: {key} is {found}, this run's {new.token!r} "
+                                  f"needs {expected} (vectors, width)")
+            with torch.no_grad():
+                table[start:start + new.vectors] = saved[key].to(table.dtype)
+        start += new.vectors
+
+
+def set_training(tokens: TokenSet | None, step: int, total_steps: int) -> None:
+    """The embeddings train during the first `train_fraction` of the steps (pivotal tuning)."""
+    if tokens:
+        on = step < tokens.settings.train_fraction * total_steps
+        for parameter in tokens.parameters():
+            parameter.requires_grad_(on)
+
+
+def inversion_report(config: Config, data_plan: DatasetPlan, tokenizer) -> str:
+    """The pre-flight lines of textual inversion: each token's captions (a warning where none holds
+    it: it would not train); with a local tokenizer, the tokens and initializer words are checked."""
+    import os
+
+    settings = config.textual_inversion
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ConfigError("textual_inversion.tokens: trains on one process only (the new rows are not "
+                          "synchronised between processes); run it without accelerate launch")
+    if tokenizer is not None:
+        check_tokens(tokenizer, settings)
+    captions = [sample.record.caption for sample in data_plan.samples]
+    mode = "pivotal tuning (with the adapter)" if settings.train_adapter else "textual inversion (embeddings only)"
+    lines = [f"{mode}: {sum(new.vectors for new in settings.tokens)} new vectors per encoder at lr {settings.lr:g}"]
+    for index, new in enumerate(settings.tokens):
+        count = sum(new.token in caption for caption in captions)
+        if count:
+            lines.append(f"  {new.token}: in {count} of {len(captions)} training samples' captions")
+        else:
+            lines.append(f"  warning: textual_inversion.tokens[{index}].token {new.token!r} is in none of the "
+                         f"{len(captions)} training samples' captions: it gets no training (caption_prefix adds it)")
+    return "\n".join(lines)
+
+
+@contextmanager
+def plain_embeddings(pipe, tokens: TokenSet | None) -> Iterator[None]:
+    """The encoders with their original embedding tables while a pipeline folder is written (a
+    merged single file holds the base vocabulary; the new tokens go in the embedding files)."""
+    if tokens is None:
+        yield
+        return
+    for name, table in tokens.tables.items():
+        getattr(pipe, name).set_input_embeddings(table.base)
+    try:
+        yield
+    finally:
+        for name, table in tokens.tables.items():
+            getattr(pipe, name).set_input_embeddings(table)

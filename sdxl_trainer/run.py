@@ -164,7 +164,7 @@ def assemble_run(config: Config, plan: RunPlan, accelerator: Accelerator,
     # Forward through the prepared modules (DDP wrappers under several processes): that is what
     # synchronises the gradients. Saving and eval use the pipeline (gathered under FSDP).
     forward = dict(zip(trainable.modules, prepared, strict=True))
-    unet = forward["unet"]
+    unet = forward.get("unet", pipe.unet)  # textual inversion alone trains no UNet
     if config.model.use_torch_compile:
         unet = torch.compile(unet, **config.model.torch_compile_kwargs)
     text_encoders = [forward.get(name, stand_ins.loss.get(name, getattr(pipe, name))) for name in ENCODERS]
@@ -307,6 +307,7 @@ def setup_models(config: Config, plan: RunPlan, precision: PrecisionPlan, accele
     from .attention import set_attention
     from .data import build_latent_cache
     from .diffusion import make_noise_scheduler
+    from .embeddings import attach_tokens
     from .latent_cache import vae_fingerprint
     from .long_prompts import length_report, local_tokenizer
     from .planning import make_latent_cache
@@ -337,13 +338,14 @@ def setup_models(config: Config, plan: RunPlan, precision: PrecisionPlan, accele
     # peft creates adapters in the dtype of the layer they wrap (bf16/fp16 here): they get their fp32
     # master dtype before a resume loads the saved weights, which would otherwise be rounded to it.
     cast_trained_parameters(trainable.modules, precision)
-    if resume_folder and trainable.is_adapter:
+    if resume_folder and trainable.modules and trainable.is_adapter:
         tensors = load_file(resume_folder / weight_file_name(config.adapter.type))
         for name, module in trainable.modules.items():
             load_adapter_weights(module, name, tensors)
     audited = audit(pipe, precision, adapter=trainable.is_adapter)
     accelerator.print(f"precision audit: {audited['checked']} tensors as planned, "
                       f"{audited['trained']} of them trained")
+    trainable.tokens = attach_tokens(pipe, config, resume_folder)
     return noise_scheduler, cache, trainable
 
 
@@ -354,7 +356,7 @@ def restore_training_state(run: Run, state: TrainerSnapshot) -> None:
     from .optimizers import apply_configured_settings
 
     configured = [dict(group) for group in run.optimizer.param_groups]
-    load_optimizer_state(run.accelerator, run.prepared[0], run.optimizer, state.optimizer)
+    load_optimizer_state(run.accelerator, next(iter(run.prepared), None), run.optimizer, state.optimizer)
     run.lr_scheduler.load_state_dict(state.lr_scheduler)
     for change in apply_configured_settings(run.optimizer, run.lr_scheduler, configured, run.config.optimizer,
                                             run.trainable.group_names):
@@ -423,8 +425,10 @@ def forward_backward(run: Run, batch: dict) -> torch.Tensor:
     """One micro-batch: the loss on its per-image draws, and its gradients (which add up over
     `grad_accum_steps` micro-batches)."""
     from .diffusion import DrawSettings, LossSettings, diffusion_loss, sample_draws
+    from .embeddings import set_training
 
     training, tally = run.config.training, run.tally
+    set_training(run.trainable.tokens, run.position.step, run.plan.total_steps)
     run.position.batches_in_epoch += 1
     height, width = batch["target_sizes"][0].tolist()
     latent_shape = (len(batch["keys"]), run.pipe.unet.config.in_channels, height // 8, width // 8)
@@ -578,7 +582,7 @@ def take_snapshot(run: Run) -> TrainerSnapshot:
     from .distributed import optimizer_state
 
     rng_states = gather_object([rng_state()])
-    whole_optimizer = optimizer_state(run.accelerator, run.prepared[0], run.optimizer)
+    whole_optimizer = optimizer_state(run.accelerator, next(iter(run.prepared), None), run.optimizer)
     return TrainerSnapshot(
         Position(**vars(run.position)), run.seed, whole_optimizer, run.lr_scheduler.state_dict(),
         run.scaler.state_dict(), run.ema.state_dict() if run.ema is not None else None,

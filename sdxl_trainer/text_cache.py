@@ -105,17 +105,19 @@ def encoder_spec(tokenizer, text_encoder: torch.nn.Module, name: str, max_tokens
     shapes = {"hidden": (tokenizer.model_max_length if max_tokens == CHUNK_TOKENS else None, config.hidden_size)}
     if name == POOLED:
         shapes["pooled"] = (config.projection_dim,)
-    return EncoderSpec(tokenizer_fingerprint(tokenizer), weights_fingerprint(text_encoder.state_dict().values()),
-                       shapes)
+    # Without the new token rows (textual inversion): they train, and no cached caption reads them.
+    weights = [value for key, value in text_encoder.state_dict().items() if not key.endswith("token_embedding.new")]
+    return EncoderSpec(tokenizer_fingerprint(tokenizer), weights_fingerprint(weights), shapes)
 
 
 class CachedEncoder:
     """A cached encoder's place in the loss: its outputs read from the text cache, while the
     encoder itself stays off the training device. With `zero_empty` the empty (dropped) caption
-    needs no entry: `encode_prompts` zeroes its embedding anyway."""
+    needs no entry: `encode_prompts` zeroes its embedding anyway. `live`: the encoder itself, kept for
+    the captions that hold a textual inversion token (never cached: their rows train)."""
 
-    def __init__(self, cache: TextCache, name: str, zero_empty: bool):
-        self.cache, self.name, self.zero_empty = cache, name, zero_empty
+    def __init__(self, cache: TextCache, name: str, zero_empty: bool, live: torch.nn.Module | None = None):
+        self.cache, self.name, self.zero_empty, self.live = cache, name, zero_empty, live
 
     def cached_outputs(self, captions: list[str], device) -> tuple[torch.Tensor, torch.Tensor | None]:
         import torch
@@ -164,7 +166,12 @@ def run_texts(config: Config, data_plan: DatasetPlan, seed: int, zero_empty: boo
     texts = possible_captions(pairs.values(), seed)
     if zero_empty:
         texts.discard("")
-    return sorted(texts)
+    return sorted(text for text in texts if not holds_new_token(config, text))
+
+
+def holds_new_token(config: Config, text: str) -> bool:
+    """Whether a caption holds a textual inversion token: it is encoded live, never cached."""
+    return any(new.token in text for new in config.textual_inversion.tokens)
 
 
 def make_text_cache(config: Config, encoders: dict[str, EncoderSpec], compute: str) -> TextCache:
@@ -202,8 +209,11 @@ def prepare_text_cache(config: Config, data_plan: DatasetPlan | None, prompts: l
         hits, built = build_text_cache(cache, texts, pipe, accelerator.device, precision.autocast())
     accelerator.print(f"text cache: {hits} hits, {built} encoded now ({len(texts)} texts for {', '.join(names)})")
     eval_texts = [text for prompt in prompts for text in (prompt.prompt, prompt.negative_prompt)] + [""]
+    inverted = bool(config.textual_inversion.tokens)  # the encoders stay: captions with new tokens run live
     for name in names:
-        stand_ins.loss[name] = CachedEncoder(cache, name, zero_empty)
+        stand_ins.loss[name] = CachedEncoder(cache, name, zero_empty, getattr(pipe, name) if inverted else None)
+        if inverted:
+            continue
         if prompts and accelerator.is_main_process:
             stand_ins.eval[name] = record_encoder(getattr(pipe, TOKENIZERS[name]), getattr(pipe, name), eval_texts,
                                                   name, max_tokens)
@@ -254,7 +264,9 @@ def text_cache_status(config: Config, data_plan: DatasetPlan, seed: int | None) 
     variants = sorted({folder.caption_shuffle_variants for folder in data.folders() if folder.caption_shuffle_prob > 0})
     variants_said = f", {'/'.join(map(str, variants))} shuffle variants per caption" if variants else ""
     images = len(data_plan.scan.images) + len(data_plan.scan.validation)
-    line = f"{where}; {len(texts)} caption texts ({images} images{variants_said})"
+    inverted = len({s.record.caption for s in data_plan.samples if holds_new_token(config, s.record.caption)})
+    live_said = f", {inverted} with a new token, encoded live" if inverted else ""
+    line = f"{where}; {len(texts)} caption texts ({images} images{variants_said}{live_said})"
     specs = specs_from_files(config.model, names)
     if specs is None:
         return f"{line}; hits and misses are counted once the encoders are loaded"
