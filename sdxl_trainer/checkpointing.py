@@ -62,7 +62,17 @@ def identity(config: Config) -> dict[str, Any]:
         "adapter.targets": adapter.targets, "adapter.conv_rank": adapter.conv_rank,
         "adapter.conv_alpha": adapter.conv_alpha, "precision": config.precision,
         "optimizer.type": config.optimizer.type,
-    } | {f"adapter.{key}": getattr(adapter, key) for key in own_options}
+    } | {f"adapter.{key}": getattr(adapter, key) for key in own_options} | inversion_identity(config)
+
+
+def inversion_identity(config: Config) -> dict[str, Any]:
+    """The new tokens and whether the adapter trains with them (nothing without textual inversion,
+    so that states saved before these keys still match)."""
+    inversion = config.textual_inversion
+    if not inversion.tokens:
+        return {}
+    return {"textual_inversion.tokens": [new.model_dump() for new in inversion.tokens],
+            "textual_inversion.train_adapter": inversion.train_adapter}
 
 
 def soft_settings(config: Config, data_plan, total_steps: int) -> dict[str, Any]:
@@ -299,6 +309,9 @@ def check_resume_weights(folder: Path, config: Config) -> None:
     from .models import require_pipeline_folder
     from .safetensors_header import read_header
 
+    inversion = config.textual_inversion
+    if inversion.tokens and not inversion.train_adapter:
+        return  # textual inversion alone: the embedding files, checked as they are read
     if config.adapter.type == "none":
         require_pipeline_folder(folder, "training.resume_from")
         return

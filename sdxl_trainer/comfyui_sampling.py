@@ -91,14 +91,22 @@ def starting_noise_scale(sigma_start: float, table: SigmaTable) -> float:
 
 
 def comfyui_latents(pipe: StableDiffusionXLPipeline, eval_config: EvalConfig, prompt: EvalPrompt) -> torch.Tensor:
-    """The final latents for one prompt (undecoded), sampled as ComfyUI does."""
+    """The final latents for one prompt (undecoded), sampled as ComfyUI does; a prompt read past 77
+    tokens is encoded in chunks as ComfyUI encodes a long prompt (long_prompts.py)."""
+    from .conditioning import pipeline_prompt_embeds
+    from .long_prompts import CHUNK_TOKENS
+
     unet, device = pipe.unet, pipe.unet.device
     table = SigmaTable.from_scheduler_config(pipe.scheduler.config)
     prediction_type = pipe.scheduler.config.get("prediction_type", "epsilon")
     guided = eval_config.cfg_scale != 1.0
-    positive, negative, pooled, negative_pooled = pipe.encode_prompt(
-        prompt.prompt, device=device, num_images_per_prompt=1, do_classifier_free_guidance=guided,
-        negative_prompt=prompt.negative_prompt or None)  # None: SDXL's zero embedding for "no negative"
+    if prompt.max_tokens == CHUNK_TOKENS:
+        positive, negative, pooled, negative_pooled = pipe.encode_prompt(
+            prompt.prompt, device=device, num_images_per_prompt=1, do_classifier_free_guidance=guided,
+            negative_prompt=prompt.negative_prompt or None)  # None: SDXL's zero embedding for "no negative"
+    else:
+        positive, negative, pooled, negative_pooled = pipeline_prompt_embeds(
+            pipe, prompt.prompt, prompt.negative_prompt, prompt.max_tokens).values()
     size = (prompt.height, prompt.width)
     time_ids = pipe._get_add_time_ids(size, (0, 0), size, dtype=positive.dtype,
                                       text_encoder_projection_dim=pipe.text_encoder_2.config.projection_dim).to(device)

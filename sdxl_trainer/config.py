@@ -438,6 +438,9 @@ class FolderOptions(Section):
         "without extension, underscores as spaces.")
     caption_extension: str = Field(
         ".txt", pattern=r"^\.[A-Za-z0-9_.-]+$", description="Extension of the caption files (e.g. `.caption`).")
+    caption_prefix: str = Field(
+        "", description="Text put before every caption of the folder, with a space (kohya's `caption_prefix`): "
+        "a trigger word, or a textual inversion token (`textual_inversion.tokens`) for captions that lack it.")
     caption_dropout_prob: Probability = Field(0.0, description="Probability of dropping the whole caption.")
     caption_shuffle_prob: Probability = Field(0.0, description="Probability of shuffling the caption's parts.")
     caption_shuffle_separator: str = Field(",", min_length=1, description="Separator that splits a caption.")
@@ -501,6 +504,11 @@ class DataConfig(FolderOptions):
         65_536, description="Captions longer than this (in UTF-8 bytes) are skipped with their image: CLIP reads "
         "77 tokens (a few hundred characters), and a huge file (a wrong one) would stall the pre-flight."
     )
+    max_token_length: Literal[75, 150, 225] = Field(
+        75, description="Caption tokens each text encoder reads: 75 (CLIP's 77 with its start and end token; a "
+        "longer caption is cut there, as the SDXL pipeline cuts it), or 150 / 225, encoded in 75-token chunks as "
+        "kohya's `--max_token_length` and ComfyUI encode long prompts (docs/data.md). The same "
+        "for the eval prompts; the pre-flight counts the captions cut.")
     num_workers: int = Field(2, ge=0, description="Data-loader worker processes.")
     scan_cache_dir: str = Field(
         "./cache/scan", description="Scan cache folder: each image's size and decode check, kept so that a start "
@@ -665,6 +673,45 @@ class EvalConfig(Section):
     final: FinalEvalConfig = Field(default_factory=FinalEvalConfig, description="Evaluation after training.")
 
 
+# --------------------------------------------------------------------------- textual inversion
+class NewTokenConfig(Section):
+    token: str = Field(
+        ..., min_length=1, description="The new word as captions and prompts write it, e.g. `<sks>`: one word "
+        "(no spaces) the tokenizers do not already know as one token.")
+    vectors: int = Field(1, ge=1, le=16, description="Embedding vectors it stands for (diffusers adds "
+                         "`<sks>`, `<sks>_1`, …; a caption's `<sks>` reads all of them).")
+    init_word: str = Field(..., description="A word whose token embeddings the vectors start from (cycled "
+                           "when it has fewer tokens than `vectors`), e.g. the concept's class: `dog`.")
+
+    @field_validator("token")
+    @classmethod
+    def _one_word(cls, value: str) -> str:
+        if value != value.strip() or any(char.isspace() for char in value):
+            raise ValueError("must be one word, without spaces")
+        return value
+
+
+class TextualInversionConfig(Section):
+    tokens: list[NewTokenConfig] = Field(
+        default_factory=list, description="New tokens whose embeddings train in both text encoders (CLIP-L and "
+        "bigG); only their rows of the embedding tables train. Empty: no textual inversion.")
+    train_adapter: bool = Field(
+        False, description="Pivotal tuning: the adapter (`adapter`) trains with the embeddings. False: "
+        "textual inversion alone, everything else frozen.")
+    lr: float = Field(1e-3, gt=0.0, description="Learning rate of the new embeddings.")
+    train_fraction: float = Field(
+        1.0, gt=0.0, le=1.0, description="Fraction of the optimizer steps during which the embeddings train "
+        "(diffusers' pivotal tuning: `train_text_encoder_ti_frac`); afterwards they stay as they are.")
+
+    @model_validator(mode="after")
+    def _distinct(self) -> TextualInversionConfig:
+        names = [new.token for new in self.tokens]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise _KeyError("textual_inversion.tokens", f"names {repeated[0]!r} twice")
+        return self
+
+
 # ---------------------------------------------------------------------------------------- root
 class Config(Section):
     """A whole run. Only `run.name` and a stop condition are required."""
@@ -682,6 +729,9 @@ class Config(Section):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer.")
     export: ExportConfig = Field(default_factory=ExportConfig, description="Files written after training.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Sample images during and after training.")
+    textual_inversion: TextualInversionConfig = Field(
+        default_factory=TextualInversionConfig, description="New words: textual inversion and pivotal tuning "
+        "(docs/training.md).")
 
     @model_validator(mode="after")
     def _no_contradictions(self) -> Config:
@@ -722,6 +772,7 @@ class Config(Section):
                     f"must be set because model.train_text_encoder_{index} is true "
                     f"(or set model.train_text_encoder_{index} to false)",
                 )
+        self._check_textual_inversion()
         return self
 
     @model_validator(mode="after")
@@ -748,6 +799,23 @@ class Config(Section):
             if refused:
                 raise _KeyError(key, f"{reason} (optimizer.fused_backward is true)")
         return self
+
+    def _check_textual_inversion(self) -> None:
+        inversion = self.textual_inversion
+        if not inversion.tokens:
+            return
+        if inversion.train_adapter and self.adapter.type == "none":
+            raise _KeyError("textual_inversion.train_adapter", 'trains an adapter, but adapter.type is "none" '
+                            "(a full fine-tune with new tokens is not supported)")
+        if not inversion.train_adapter:
+            if inversion.train_fraction < 1:
+                raise _KeyError("textual_inversion.train_fraction", "is below 1, but textual inversion alone "
+                                "would then train nothing: it is for pivotal tuning (train_adapter true)")
+            for index in (1, 2):
+                if getattr(self.model, f"train_text_encoder_{index}"):
+                    raise _KeyError(f"model.train_text_encoder_{index}", "is true, but textual inversion alone "
+                                    "trains the new embeddings only: set it to false (or textual_inversion."
+                                    "train_adapter to true)")
 
     # Derived values ------------------------------------------------------------------------
     @property

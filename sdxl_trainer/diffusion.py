@@ -269,14 +269,15 @@ class LossModels:
     pipe: StableDiffusionXLPipeline
     unet: torch.nn.Module
     text_encoders: list  # modules, or the text cache's CachedEncoder for the encoders it holds
+    max_tokens: int = 75  # data.max_token_length
 
     @classmethod
-    def of(cls, pipe: StableDiffusionXLPipeline, cached: dict | None = None) -> LossModels:
+    def of(cls, pipe: StableDiffusionXLPipeline, cached: dict | None = None, max_tokens: int = 75) -> LossModels:
         """The pipeline's own modules, unwrapped (validation loss, tests, benchmarks); `cached`: the
         text cache's stand-ins for the encoders it holds, by name."""
         cached = cached or {}
         names = ("text_encoder", "text_encoder_2")
-        return cls(pipe, pipe.unet, [cached.get(name, getattr(pipe, name)) for name in names])
+        return cls(pipe, pipe.unet, [cached.get(name, getattr(pipe, name)) for name in names], max_tokens)
 
 
 def scaled_latents(vae: AutoencoderKL, batch: dict, posterior_noise: torch.Tensor, device) -> torch.Tensor:
@@ -303,7 +304,7 @@ def conditioning(models: LossModels, batch: dict, device) -> dict[str, torch.Ten
     pipe = models.pipe
     prompt_embeds, pooled_embeds = encode_prompts(
         batch["captions"], [pipe.tokenizer, pipe.tokenizer_2], models.text_encoders, device,
-        zero_empty=pipe.config.force_zeros_for_empty_prompt,
+        zero_empty=pipe.config.force_zeros_for_empty_prompt, max_tokens=models.max_tokens,
     )
     time_ids = add_time_ids(batch["original_sizes"], batch["crops_top_left"], batch["target_sizes"]).to(device)
     return {"encoder_hidden_states": prompt_embeds,

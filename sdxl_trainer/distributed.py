@@ -102,7 +102,7 @@ def plain_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def optimizer_state(accelerator: Accelerator, model: torch.nn.Module, optimizer) -> dict[str, Any]:
+def optimizer_state(accelerator: Accelerator, model: torch.nn.Module | None, optimizer) -> dict[str, Any]:
     """The optimizer state to save: under FSDP gathered whole (every process must call this);
     otherwise the main process's own, which is the whole state."""
     if not is_sharded(accelerator):
@@ -113,7 +113,8 @@ def optimizer_state(accelerator: Accelerator, model: torch.nn.Module, optimizer)
                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def load_optimizer_state(accelerator: Accelerator, model: torch.nn.Module, optimizer, state: dict[str, Any]) -> None:
+def load_optimizer_state(accelerator: Accelerator, model: torch.nn.Module | None, optimizer,
+                         state: dict[str, Any]) -> None:
     """Restore a saved (whole) optimizer state; under FSDP each process keeps its own slice."""
     if not is_sharded(accelerator):
         optimizer.load_state_dict(state)

@@ -35,6 +35,7 @@ class EvalPrompt:
     width: int
     height: int
     group: str = ""  # prompts are judged per group (`eval.judge`), e.g. "concept" and "prior"
+    max_tokens: int = 75  # the tokens each text encoder reads (`data.max_token_length`)
 
 
 def load_prompts(path: str | Path, default_width: int, default_height: int) -> list[EvalPrompt]:

@@ -126,12 +126,20 @@ def run_evaluation(
 
 def _diffusers_latents(pipe: StableDiffusionXLPipeline, eval_config: EvalConfig,
                        prompt: EvalPrompt) -> torch.Tensor:
-    """One prompt's final latents from the diffusers pipeline and its (eval) scheduler."""
+    """One prompt's final latents from the diffusers pipeline and its (eval) scheduler; a prompt
+    read past 77 tokens is encoded in chunks, as in training (`data.max_token_length`)."""
     import torch
 
+    from .conditioning import pipeline_prompt_embeds
+    from .long_prompts import CHUNK_TOKENS
+
+    if prompt.max_tokens == CHUNK_TOKENS:
+        # None: SDXL's zero embedding for "no negative"
+        text = {"prompt": prompt.prompt, "negative_prompt": prompt.negative_prompt or None}
+    else:
+        text = pipeline_prompt_embeds(pipe, prompt.prompt, prompt.negative_prompt, prompt.max_tokens)
     return pipe(
-        prompt=prompt.prompt,
-        negative_prompt=prompt.negative_prompt or None,  # None: SDXL's zero embedding for "no negative"
+        **text,
         width=prompt.width,
         height=prompt.height,
         num_inference_steps=eval_config.num_inference_steps,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +36,8 @@ def eval_prompts(config: Config) -> list[EvalPrompt]:
     if not evaluation.prompts_path:
         raise ConfigError("eval.prompts_path is required when eval.live or eval.final is enabled")
     check_eval_sampler(evaluation)
-    return load_prompts(evaluation.prompts_path, evaluation.width, evaluation.height)
+    prompts = load_prompts(evaluation.prompts_path, evaluation.width, evaluation.height)
+    return [replace(prompt, max_tokens=config.data.max_token_length) for prompt in prompts]
 
 
 def live_eval_due(config: Config, step: int) -> bool:

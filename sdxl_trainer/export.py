@@ -73,10 +73,19 @@ def export_after_training(config: Config, pipe: StableDiffusionXLPipeline, train
     Call it once, after the final weights are saved (a full fine-tune converts the pipeline
     folder in `output_dir`). The training modules are left as they are.
     """
+    from .embeddings import save_embedding_files
+
     check_export(config)
     check_finite(trainable)
-    written = save_adapter_files(config, trainable) if trainable.is_adapter else []
-    if config.export.save_single_file:
+    written = save_adapter_files(config, trainable) if trainable.is_adapter and trainable.modules else []
+    if trainable.tokens:
+        files = save_embedding_files(trainable.tokens, config.output_dir)
+        print(f"export: new token embeddings {', '.join(str(path) for path in files)}")
+        written += files
+    if config.export.save_single_file and not trainable.modules and trainable.is_adapter:
+        print("export: no single file, because textual inversion alone leaves the model unchanged; load the "
+              "embedding file with the base model")
+    elif config.export.save_single_file:
         if not trainable.is_adapter:
             written.append(convert(config, config.output_dir))
         elif config.export.merge_adapter:
@@ -106,9 +115,12 @@ def save_adapter_files(config: Config, trainable: Trainable) -> list[Path]:
 
 def save_merged_pipeline(pipe: StableDiffusionXLPipeline, trainable: Trainable, folder: Path) -> None:
     """Save `pipe` as a diffusers folder whose trained components have their adapters merged."""
-    merged = {name: merged_copy(module) for name, module in trainable.modules.items()}
-    with reported_write_failures(folder):
-        with_components(pipe, **merged).save_pretrained(folder, safe_serialization=True)
+    from .embeddings import plain_embeddings
+
+    with plain_embeddings(pipe, trainable.tokens):
+        merged = {name: merged_copy(module) for name, module in trainable.modules.items()}
+        with reported_write_failures(folder):
+            with_components(pipe, **merged).save_pretrained(folder, safe_serialization=True)
 
 
 def merged_copy(module: torch.nn.Module) -> torch.nn.Module:

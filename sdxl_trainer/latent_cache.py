@@ -70,10 +70,11 @@ def vae_fingerprint_from_files(weight_files: list[Path], prefix: str = "") -> st
     return vae_fingerprint(tensors())
 
 
-def load_checked_entry(path: Path, shapes: dict[str, tuple[int, ...]], dtype: str) -> dict[str, torch.Tensor] | None:
-    """A cache entry's tensors if it holds exactly `shapes`, in `dtype` ("fp32", "fp16" or "bf16"),
-    all finite; None when it is missing or anything else (a damaged entry is deleted, to be rebuilt).
-    The latent cache and the text cache read their entries through here."""
+def load_checked_entry(path: Path, shapes: dict[str, tuple[int | None, ...]],
+                       dtype: str) -> dict[str, torch.Tensor] | None:
+    """A cache entry's tensors if it holds exactly `shapes` (None: any size), in `dtype` ("fp32",
+    "fp16" or "bf16"), all finite; None when it is missing or anything else (a damaged entry is
+    deleted, to be rebuilt). The latent cache and the text cache read their entries through here."""
     import torch
     from safetensors.torch import load_file
 
@@ -86,13 +87,18 @@ def load_checked_entry(path: Path, shapes: dict[str, tuple[int, ...]], dtype: st
     valid = (
         tensors is not None
         and set(tensors) == set(shapes)
-        and all(tuple(t.shape) == shapes[name] and t.dtype == getattr(torch, DTYPES[dtype])
+        and all(fits(tuple(t.shape), shapes[name]) and t.dtype == getattr(torch, DTYPES[dtype])
                 and bool(torch.isfinite(t).all()) for name, t in tensors.items())
     )
     if not valid:
         path.unlink(missing_ok=True)
         return None
     return tensors
+
+
+def fits(shape: tuple[int, ...], wanted: tuple[int | None, ...]) -> bool:
+    """Whether a tensor's shape is the wanted one, where None stands for any size."""
+    return len(shape) == len(wanted) and all(want in (None, size) for want, size in zip(wanted, shape, strict=True))
 
 
 def save_entry(path: Path, tensors: dict[str, torch.Tensor], dtype: torch.dtype, about: dict[str, Any]) -> None:

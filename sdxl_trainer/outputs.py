@@ -21,12 +21,18 @@ if TYPE_CHECKING:
     from .training_setup import Trainable
 
 def save_weights(folder: Path, pipe: StableDiffusionXLPipeline, trainable: Trainable) -> None:
-    """Adapter runs: `pytorch_lora_weights.safetensors`; full runs: a diffusers pipeline folder."""
+    """Adapter runs: `pytorch_lora_weights.safetensors`; full runs: a diffusers pipeline folder;
+    new tokens (textual inversion): their embedding files."""
+    from .embeddings import save_embedding_files
+
     check_finite(trainable)
     if trainable.is_adapter:
-        save_diffusers_adapter(folder, trainable.modules)
+        if trainable.modules:  # none in textual inversion alone
+            save_diffusers_adapter(folder, trainable.modules)
     else:
         save_pipeline(folder, pipe)
+    if trainable.tokens:
+        save_embedding_files(trainable.tokens, folder)
 
 
 def save_pipeline(folder: Path, pipe: StableDiffusionXLPipeline) -> None:

@@ -106,8 +106,10 @@ def plan_run(config: Config) -> RunPlan:
     """The data plan, the step count, the eval prompts and the resume point, with the report."""
     from .checkpointing import choose_resume, soft_settings
     from .data_plan import EpochSettings, plan_dataset
+    from .embeddings import inversion_report
     from .evaluator import eval_prompts
     from .init_adapter import preflight_lines
+    from .long_prompts import length_report, local_tokenizer
     from .lycoris_compat import lokr_load_warning
     from .text_cache import text_cache_status
 
@@ -128,6 +130,11 @@ def plan_run(config: Config) -> RunPlan:
     lokr_warning = lokr_load_warning(config)
     if lokr_warning:
         preflight += f"\n  warning: {lokr_warning}"
+    tokenizer = local_tokenizer(config.model)
+    preflight += "\n" + (length_report(tokenizer, config.data.max_token_length, data_plan, prompts) if tokenizer
+                         else "captions: their tokens are counted once the model is loaded")
+    if config.textual_inversion.tokens:
+        preflight += "\n" + inversion_report(config, data_plan, tokenizer)
     if config.data.latent_cache.enabled:
         preflight += f"\nlatent cache: {cache_status(config, data_plan)}"
     if prompts:

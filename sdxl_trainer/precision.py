@@ -52,6 +52,7 @@ class PrecisionPlan:
     components: dict[str, ComponentPlan]
     warnings: tuple[str, ...] = ()
     cached: tuple[str, ...] = ()  # text encoders whose outputs come from the text cache (off the device)
+    live_tokens: bool = False  # textual inversion: the cached encoders stay, for captions with new tokens
 
     @property
     def uses_grad_scaler(self) -> bool:
@@ -75,6 +76,8 @@ class PrecisionPlan:
         for name, plan in self.components.items():
             compute = "fp32" if name == "vae" else self.compute
             place = "cpu (text cache)" if name in self.cached else self.device
+            if name in self.cached and self.live_tokens:
+                place = f"{self.device} (text cache; captions with new tokens live)"
             lines.append(f"  {name:<16} {plan.storage:<8} {plan.trained or '-':<8} {compute:<8} {place}")
         return "\n".join(lines + [f"  warning: {warning}" for warning in self.warnings])
 
@@ -137,7 +140,8 @@ def plan_precision(config: Config, device: str, bf16_ok: bool | None = None) -> 
             components[name] = ComponentPlan(compute, "fp32" if is_trained else None)
     vae_storage = "fp16" if compute == "fp16" and config.model.vae_fp16_safe else "fp32"
     components["vae"] = ComponentPlan(vae_storage, None)
-    return PrecisionPlan(device, compute, components, tuple(warnings), cached_encoders(config))
+    return PrecisionPlan(device, compute, components, tuple(warnings), cached_encoders(config),
+                         bool(config.textual_inversion.tokens))
 
 
 def place_pipeline(pipe, plan: PrecisionPlan, device) -> None:

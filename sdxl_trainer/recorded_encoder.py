@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers.models.clip.modeling_clip import CLIPTextModelOutput
 
-from .conditioning import prompt_ids
+from .long_prompts import caption_ids
 
 
 class RecordedEncoder(torch.nn.Module):
@@ -44,12 +44,16 @@ class RecordedEncoder(torch.nn.Module):
         return CLIPTextModelOutput(text_embeds=pooled, last_hidden_state=hidden, hidden_states=(hidden, None))
 
 
-def record_encoder(tokenizer, text_encoder: torch.nn.Module, prompts: list[str], name: str) -> RecordedEncoder:
-    """Run the encoder once per prompt (where it is now) and record what the pipeline reads."""
+def record_encoder(tokenizer, text_encoder: torch.nn.Module, prompts: list[str], name: str,
+                   max_tokens: int = 75) -> RecordedEncoder:
+    """Run the encoder once per prompt (where it is now) and record what the pipeline reads, row by
+    row: a long prompt's chunks (`max_tokens` over 75) are rows of their own."""
     outputs = {}
     with torch.no_grad():
-        for ids in prompt_ids(tokenizer, sorted(set(prompts))):
-            output = text_encoder(ids[None].to(text_encoder.device), output_hidden_states=True)
-            pooled = output.text_embeds[0] if hasattr(output, "text_embeds") else None
-            outputs[tuple(ids.tolist())] = (output.hidden_states[-2][0], pooled)
+        for prompt in sorted(set(prompts)):
+            ids = caption_ids(tokenizer, prompt, max_tokens)
+            output = text_encoder(ids.to(text_encoder.device), output_hidden_states=True)
+            for row, row_ids in enumerate(ids.tolist()):
+                pooled = output.text_embeds[row] if hasattr(output, "text_embeds") else None
+                outputs[tuple(row_ids)] = (output.hidden_states[-2][row], pooled)
     return RecordedEncoder(outputs, name, text_encoder.config)

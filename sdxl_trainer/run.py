@@ -171,15 +171,16 @@ def assemble_run(config: Config, plan: RunPlan, accelerator: Accelerator,
     # Forward through the prepared modules (DDP wrappers under several processes): that is what
     # synchronises the gradients. Saving and eval use the pipeline (gathered under FSDP).
     forward = dict(zip(trainable.modules, prepared, strict=True))
-    unet = forward["unet"]
+    unet = forward.get("unet", pipe.unet)  # textual inversion alone trains no UNet
     if config.model.use_torch_compile:
         unet = torch.compile(unet, **config.model.torch_compile_kwargs)
     text_encoders = [forward.get(name, stand_ins.loss.get(name, getattr(pipe, name))) for name in ENCODERS]
     training = config.training
     guard = NaNGuard(training.nan_policy if not training.detect_anomaly else "abort", training.max_nan_skips,
                      precision.uses_grad_scaler, consecutive=state.nan_skips if state else 0)
+    models = LossModels(pipe, unet, text_encoders, config.data.max_token_length)
     run = Run(config, plan, accelerator, pipe, noise_scheduler, trainable, prepared,
-              LossModels(pipe, unet, text_encoders), optimizer, lr_scheduler, scaler, precision.autocast(), guard, seed)
+              models, optimizer, lr_scheduler, scaler, precision.autocast(), guard, seed)
     if is_schedule_free(optimizer):
         optimizer.train()  # it steps only in train mode; a resumed state says so again
     if state:
@@ -317,8 +318,10 @@ def setup_models(config: Config, plan: RunPlan, precision: PrecisionPlan, accele
     from .attention import set_attention
     from .data import build_latent_cache
     from .diffusion import make_noise_scheduler
+    from .embeddings import attach_tokens
     from .init_adapter import load_init_adapter, read_init_adapter
     from .latent_cache import vae_fingerprint
+    from .long_prompts import length_report, local_tokenizer
     from .planning import make_latent_cache
     from .precision import audit, cast_trained_parameters, place_pipeline
     from .training_setup import prepare_trainable
@@ -327,6 +330,8 @@ def setup_models(config: Config, plan: RunPlan, precision: PrecisionPlan, accele
     resume_folder = plan.resume.folder if plan.resume else None
     place_pipeline(pipe, precision, device)
     accelerator.print(f"attention: {set_attention(pipe.unet, config.model.attention, device.type)}")
+    if plan.data is not None and local_tokenizer(config.model) is None:  # not counted in the pre-flight
+        accelerator.print(length_report(pipe.tokenizer, config.data.max_token_length, plan.data, plan.prompts))
     noise_scheduler = make_noise_scheduler(
         pipe.scheduler.config, config.training.prediction_type, config.training.zero_terminal_snr
     )
@@ -350,13 +355,14 @@ def setup_models(config: Config, plan: RunPlan, precision: PrecisionPlan, accele
     cast_trained_parameters(trainable.modules, precision)
     if init:
         accelerator.print(f"init: {load_init_adapter(init, trainable)} modules loaded from {init.path}")
-    if resume_folder and trainable.is_adapter:
+    if resume_folder and trainable.modules and trainable.is_adapter:
         tensors = load_file(resume_folder / weight_file_name(config.adapter.type))
         for name, module in trainable.modules.items():
             load_adapter_weights(module, name, tensors)
     audited = audit(pipe, precision, adapter=trainable.is_adapter)
     accelerator.print(f"precision audit: {audited['checked']} tensors as planned, "
                       f"{audited['trained']} of them trained")
+    trainable.tokens = attach_tokens(pipe, config, resume_folder)
     return noise_scheduler, cache, trainable
 
 
@@ -367,7 +373,7 @@ def restore_training_state(run: Run, state: TrainerSnapshot) -> None:
     from .optimizers import apply_configured_settings
 
     configured = [dict(group) for group in run.optimizer.param_groups]
-    load_optimizer_state(run.accelerator, run.prepared[0], run.optimizer, state.optimizer)
+    load_optimizer_state(run.accelerator, next(iter(run.prepared), None), run.optimizer, state.optimizer)
     run.lr_scheduler.load_state_dict(state.lr_scheduler)
     for change in apply_configured_settings(run.optimizer, run.lr_scheduler, configured, run.config.optimizer,
                                             run.trainable.group_names):
@@ -421,7 +427,8 @@ def make_evaluator(run: Run, cache: LatentCache | None, stand_ins: StandIns) -> 
         validation = make_validation(batches, run.noise_scheduler.config.num_train_timesteps, run.seed)
 
     def eval_loss(pipe: StableDiffusionXLPipeline, batch: dict, draws) -> torch.Tensor:
-        return diffusion_loss(LossModels.of(pipe, stand_ins.loss), run.noise_scheduler, batch, draws, run.device)
+        models = LossModels.of(pipe, stand_ins.loss, run.config.data.max_token_length)
+        return diffusion_loss(models, run.noise_scheduler, batch, draws, run.device)
 
     return Evaluator(run.config, run.plan.prompts, validation, eval_loss, list(run.trainable.modules), run.writer,
                      stand_ins.eval)
@@ -439,8 +446,10 @@ def forward_backward(run: Run, batch: dict) -> torch.Tensor:
     """One micro-batch: the loss on its per-image draws, and its gradients (which add up over
     `grad_accum_steps` micro-batches)."""
     from .diffusion import DrawSettings, LossSettings, diffusion_loss, sample_draws
+    from .embeddings import set_training
 
     training, tally = run.config.training, run.tally
+    set_training(run.trainable.tokens, run.position.step, run.plan.total_steps)
     run.position.batches_in_epoch += 1
     height, width = batch["target_sizes"][0].tolist()
     latent_shape = (len(batch["keys"]), run.pipe.unet.config.in_channels, height // 8, width // 8)
@@ -600,7 +609,7 @@ def take_snapshot(run: Run) -> TrainerSnapshot:
     from .distributed import optimizer_state
 
     rng_states = gather_object([rng_state()])
-    whole_optimizer = optimizer_state(run.accelerator, run.prepared[0], run.optimizer)
+    whole_optimizer = optimizer_state(run.accelerator, next(iter(run.prepared), None), run.optimizer)
     return TrainerSnapshot(
         Position(**vars(run.position)), run.seed, whole_optimizer, run.lr_scheduler.state_dict(),
         run.scaler.state_dict(), run.ema.state_dict() if run.ema is not None else None,

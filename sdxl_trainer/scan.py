@@ -97,6 +97,8 @@ def scan_folder(folder: FolderOptions, subset: int, data: DataConfig, report: Sc
             continue
         if not caption:
             report.missing_captions.append(path)
+        if folder.caption_prefix:
+            caption = f"{folder.caption_prefix} {caption}".strip()
         width, height, digest = result
         records.append(ImageRecord(path, caption, width, height, digest, subset, mask, mask_path))
     return records

@@ -3,10 +3,11 @@
 For every frozen text encoder it holds what SDXL uses of its output: the penultimate hidden
 states, and for encoder 2 (OpenCLIP bigG) the pooled projection too. The file name is a hash of
 everything that output depends on: the caption text (after dropout and shuffle), the tokenizer,
-the encoder's weights, the compute and the storage dtype. An edited caption or another encoder is
-therefore a miss, never a stale hit. Entries are checked when read (finite, expected shapes and
-dtype) and rebuilt when damaged; every write is atomic. A trained encoder is never cached: its
-outputs change every step.
+the encoder's weights, the compute and the storage dtype, and `data.max_token_length` where it
+is over 75 (a long caption's entry then holds 77 hidden states per 75-token chunk). An edited
+caption or another encoder is therefore a miss, never a stale hit. Entries are checked when read
+(finite, expected shapes and dtype) and rebuilt when damaged; every write is atomic. A trained
+encoder is never cached: its outputs change every step.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from .latent_cache import DTYPES, load_checked_entry, save_entry
 from .latent_cache import vae_fingerprint as weights_fingerprint
+from .long_prompts import CHUNK_TOKENS, common_length
 from .precision import ENCODERS, cached_encoders
 
 if TYPE_CHECKING:
@@ -52,23 +54,27 @@ class EncoderSpec:
 
     tokenizer_id: str
     weights_id: str
-    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    shapes: dict[str, tuple[int | None, ...]] = field(default_factory=dict)
 
 
 class TextCache:
     """Reads and writes cached encoder outputs under `cache_dir` for some encoders, a compute dtype
     and a storage dtype."""
 
-    def __init__(self, cache_dir: str | Path, encoders: dict[str, EncoderSpec], dtype: str, compute: str):
+    def __init__(self, cache_dir: str | Path, encoders: dict[str, EncoderSpec], dtype: str, compute: str,
+                 max_tokens: int = 75):
         self.cache_dir = Path(cache_dir)
         self.encoders = encoders
         self.dtype = dtype  # storage: "fp32", "fp16" or "bf16"
         self.compute = compute  # what the encoder ran in
+        self.max_tokens = max_tokens  # data.max_token_length
 
     def path(self, name: str, text: str) -> Path:
         spec = self.encoders[name]
         fields = {"text": text, "encoder": name, "tokenizer": spec.tokenizer_id, "weights": spec.weights_id,
                   "dtype": self.dtype, "compute": self.compute, "format": CACHE_FORMAT}
+        if self.max_tokens != CHUNK_TOKENS:  # 75 keeps the keys of the caches written before the option
+            fields["max_tokens"] = self.max_tokens
         digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
         return self.cache_dir / digest[:2] / f"{digest}.safetensors"
 
@@ -92,23 +98,26 @@ class TextCache:
         return len(sizes), sum(sizes)
 
 
-def encoder_spec(tokenizer, text_encoder: torch.nn.Module, name: str) -> EncoderSpec:
-    """The spec of a loaded encoder: fingerprints, and the entry shapes from its config."""
+def encoder_spec(tokenizer, text_encoder: torch.nn.Module, name: str, max_tokens: int = 75) -> EncoderSpec:
+    """The spec of a loaded encoder: fingerprints, and the entry shapes from its config (a long
+    caption's hidden states have 77 rows per chunk: any length, with `max_tokens` over 75)."""
     config = text_encoder.config
-    shapes = {"hidden": (tokenizer.model_max_length, config.hidden_size)}
+    shapes = {"hidden": (tokenizer.model_max_length if max_tokens == CHUNK_TOKENS else None, config.hidden_size)}
     if name == POOLED:
         shapes["pooled"] = (config.projection_dim,)
-    return EncoderSpec(tokenizer_fingerprint(tokenizer), weights_fingerprint(text_encoder.state_dict().values()),
-                       shapes)
+    # Without the new token rows (textual inversion): they train, and no cached caption reads them.
+    weights = [value for key, value in text_encoder.state_dict().items() if not key.endswith("token_embedding.new")]
+    return EncoderSpec(tokenizer_fingerprint(tokenizer), weights_fingerprint(weights), shapes)
 
 
 class CachedEncoder:
     """A cached encoder's place in the loss: its outputs read from the text cache, while the
     encoder itself stays off the training device. With `zero_empty` the empty (dropped) caption
-    needs no entry: `encode_prompts` zeroes its embedding anyway."""
+    needs no entry: `encode_prompts` zeroes its embedding anyway. `live`: the encoder itself, kept for
+    the captions that hold a textual inversion token (never cached: their rows train)."""
 
-    def __init__(self, cache: TextCache, name: str, zero_empty: bool):
-        self.cache, self.name, self.zero_empty = cache, name, zero_empty
+    def __init__(self, cache: TextCache, name: str, zero_empty: bool, live: torch.nn.Module | None = None):
+        self.cache, self.name, self.zero_empty, self.live = cache, name, zero_empty, live
 
     def cached_outputs(self, captions: list[str], device) -> tuple[torch.Tensor, torch.Tensor | None]:
         import torch
@@ -120,9 +129,11 @@ class CachedEncoder:
             entry = None if (self.zero_empty and not caption) else self.cache.load(self.name, caption)
             if entry is None and (caption or not self.zero_empty):
                 raise RuntimeError(f"text cache entry of {self.name} for {caption!r} vanished during training")
-            entries.append(entry or {key: torch.zeros(shape, dtype=dtype) for key, shape in shapes.items()})
-        stacked = {key: torch.stack([entry[key] for entry in entries]).to(device) for key in shapes}
-        return stacked["hidden"], stacked.get("pooled")
+            entries.append(entry or {key: torch.zeros([CHUNK_TOKENS + 2 if size is None else size for size in shape],
+                                                      dtype=dtype) for key, shape in shapes.items()})
+        hidden = common_length([entry["hidden"] for entry in entries]).to(device)
+        pooled = torch.stack([entry["pooled"] for entry in entries]).to(device) if "pooled" in shapes else None
+        return hidden, pooled
 
 
 def build_text_cache(cache: TextCache, texts: list[str], pipe, device, autocast) -> tuple[int, int]:
@@ -140,7 +151,7 @@ def build_text_cache(cache: TextCache, texts: list[str], pipe, device, autocast)
     for name, text in tqdm(missing, desc="caching text embeddings", disable=not missing):
         tokenizer, encoder = getattr(pipe, TOKENIZERS[name]), getattr(pipe, name)
         with autocast:
-            hidden, pooled = frozen_encoder_outputs([text], tokenizer, encoder, device)
+            hidden, pooled = frozen_encoder_outputs([text], tokenizer, encoder, device, cache.max_tokens)
         cache.save(name, text, {"hidden": hidden[0], "pooled": pooled[0]} if name == POOLED else {"hidden": hidden[0]})
     return len(cache.encoders) * len(texts) - len(missing), len(missing)
 
@@ -155,13 +166,19 @@ def run_texts(config: Config, data_plan: DatasetPlan, seed: int, zero_empty: boo
     texts = possible_captions(pairs.values(), seed)
     if zero_empty:
         texts.discard("")
-    return sorted(texts)
+    return sorted(text for text in texts if not holds_new_token(config, text))
+
+
+def holds_new_token(config: Config, text: str) -> bool:
+    """Whether a caption holds a textual inversion token: it is encoded live, never cached."""
+    return any(new.token in text for new in config.textual_inversion.tokens)
 
 
 def make_text_cache(config: Config, encoders: dict[str, EncoderSpec], compute: str) -> TextCache:
     """The run's text cache for these encoders; `compute` is the dtype they run in."""
     settings = config.data.text_cache
-    return TextCache(settings.cache_dir, encoders, compute if settings.dtype == "auto" else settings.dtype, compute)
+    return TextCache(settings.cache_dir, encoders, compute if settings.dtype == "auto" else settings.dtype, compute,
+                     config.data.max_token_length)
 
 
 @dataclass
@@ -182,7 +199,9 @@ def prepare_text_cache(config: Config, data_plan: DatasetPlan | None, prompts: l
     stand_ins = StandIns()
     if not names:
         return stand_ins
-    specs = {name: encoder_spec(getattr(pipe, TOKENIZERS[name]), getattr(pipe, name), name) for name in names}
+    max_tokens = config.data.max_token_length
+    specs = {name: encoder_spec(getattr(pipe, TOKENIZERS[name]), getattr(pipe, name), name, max_tokens)
+             for name in names}
     cache = make_text_cache(config, specs, precision.compute)
     zero_empty = pipe.config.force_zeros_for_empty_prompt
     texts = run_texts(config, data_plan, seed, zero_empty)
@@ -190,11 +209,14 @@ def prepare_text_cache(config: Config, data_plan: DatasetPlan | None, prompts: l
         hits, built = build_text_cache(cache, texts, pipe, accelerator.device, precision.autocast())
     accelerator.print(f"text cache: {hits} hits, {built} encoded now ({len(texts)} texts for {', '.join(names)})")
     eval_texts = [text for prompt in prompts for text in (prompt.prompt, prompt.negative_prompt)] + [""]
+    inverted = bool(config.textual_inversion.tokens)  # the encoders stay: captions with new tokens run live
     for name in names:
-        stand_ins.loss[name] = CachedEncoder(cache, name, zero_empty)
+        stand_ins.loss[name] = CachedEncoder(cache, name, zero_empty, getattr(pipe, name) if inverted else None)
+        if inverted:
+            continue
         if prompts and accelerator.is_main_process:
             stand_ins.eval[name] = record_encoder(getattr(pipe, TOKENIZERS[name]), getattr(pipe, name), eval_texts,
-                                                  name)
+                                                  name, max_tokens)
         getattr(pipe, name).to("cpu")
     return stand_ins
 
@@ -242,7 +264,9 @@ def text_cache_status(config: Config, data_plan: DatasetPlan, seed: int | None) 
     variants = sorted({folder.caption_shuffle_variants for folder in data.folders() if folder.caption_shuffle_prob > 0})
     variants_said = f", {'/'.join(map(str, variants))} shuffle variants per caption" if variants else ""
     images = len(data_plan.scan.images) + len(data_plan.scan.validation)
-    line = f"{where}; {len(texts)} caption texts ({images} images{variants_said})"
+    inverted = len({s.record.caption for s in data_plan.samples if holds_new_token(config, s.record.caption)})
+    live_said = f", {inverted} with a new token, encoded live" if inverted else ""
+    line = f"{where}; {len(texts)} caption texts ({images} images{variants_said}{live_said})"
     specs = specs_from_files(config.model, names)
     if specs is None:
         return f"{line}; hits and misses are counted once the encoders are loaded"

@@ -14,6 +14,8 @@ if TYPE_CHECKING:
     import torch
     from diffusers import StableDiffusionXLPipeline
 
+    from .embeddings import TokenSet
+
 
 @dataclass
 class Trainable:
@@ -23,6 +25,7 @@ class Trainable:
     learning_rates: dict[str, float]
     adapter_type: str  # an `adapter.type`: a kind of adapter_kinds.ADAPTER_KINDS, or "none"
     loraplus_ratio: float | None = None  # LoRA+: the B matrices' learning rate multiple
+    tokens: TokenSet | None = None  # textual inversion: the new rows of both embedding tables
 
     @property
     def is_adapter(self) -> bool:
@@ -35,14 +38,17 @@ class Trainable:
 
     def param_groups(self) -> list[dict[str, Any]]:
         groups = []
+        rows = {id(p) for p in self.tokens.parameters()} if self.tokens else set()
         for name, module in self.modules.items():
-            trained = [(key, p) for key, p in module.named_parameters() if p.requires_grad]
+            trained = [(key, p) for key, p in module.named_parameters() if p.requires_grad and id(p) not in rows]
             is_b = [self.loraplus_ratio is not None and ".lora_B." in f".{key}" for key, _ in trained]
             groups.append({"name": name, "lr": self.learning_rates[name],
                            "params": [p for (_, p), b in zip(trained, is_b, strict=True) if not b]})
             if any(is_b):
                 groups.append({"name": f"{name}_lora_B", "lr": self.learning_rates[name] * self.loraplus_ratio,
                                "params": [p for (_, p), b in zip(trained, is_b, strict=True) if b]})
+        if self.tokens:
+            groups.append({"name": "embeddings", "lr": self.tokens.settings.lr, "params": self.tokens.parameters()})
         return groups
 
     def parameters(self) -> Iterator[torch.nn.Parameter]:
@@ -50,28 +56,36 @@ class Trainable:
             yield from group["params"]
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        rows = {id(p) for p in self.tokens.parameters()} if self.tokens else set()
         for name, module in self.modules.items():
             for param_name, param in module.named_parameters():
-                if param.requires_grad:
+                if param.requires_grad and id(param) not in rows:
                     yield f"{name}.{param_name}", param
+        if self.tokens:
+            for name, table in self.tokens.tables.items():
+                yield f"embeddings.{name}", table.new
 
     def on(self, pipe: StableDiffusionXLPipeline) -> Trainable:
         """The same training setup over another pipeline's components (e.g. gathered full copies)."""
         return Trainable({name: getattr(pipe, name) for name in self.modules}, self.learning_rates,
-                         self.adapter_type, self.loraplus_ratio)
+                         self.adapter_type, self.loraplus_ratio, self.tokens)
 
     def describe(self) -> str:
         parts = []
         for name, module in self.modules.items():
             count = sum(p.numel() for p in module.parameters() if p.requires_grad)
             parts.append(f"{name} {count / 1e6:.2f}M parameters at lr {self.learning_rates[name]:g}")
+        if self.tokens:
+            count = sum(p.numel() for p in self.tokens.parameters())
+            parts.append(f"new token embeddings {count} parameters at lr {self.tokens.settings.lr:g}")
         return "trainable: " + "; ".join(parts)
 
 
 def trained_components(config: Config) -> dict[str, float]:
     """The components the config trains, with their learning rates."""
-    training, model = config.training, config.model
-    wanted = {"unet": training.lr_unet}
+    training, model, inversion = config.training, config.model, config.textual_inversion
+    # Textual inversion alone trains the new embeddings only (embeddings.attach_tokens adds them).
+    wanted = {"unet": training.lr_unet} if not inversion.tokens or inversion.train_adapter else {}
     if model.train_text_encoder_1:
         wanted["text_encoder"] = training.lr_text_encoder_1
     if model.train_text_encoder_2:
