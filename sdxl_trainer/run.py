@@ -21,27 +21,66 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+import torch
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather, gather_object, set_seed
+from safetensors.torch import load_file
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from . import checkpointing, export
+from .adapters import load_adapter_weights, weight_file_name
 from .atomic import OutputWriteError
-from .checkpointing import Position, TrainerSnapshot
-from .config import Config
-from .nan_guard import ABORT, OK, SKIP, NaNGuard
-from .planning import RunPlan
-from .precision import ENCODERS
+from .attention import set_attention
+from .checkpointing import (
+    Position,
+    TrainerSnapshot,
+    choose_resume,
+    list_checkpoints,
+    prune_checkpoints,
+    rng_state,
+    set_rng_state,
+)
+from .config import Config, ConfigError, DataConfig
+from .data import ImageCaptionDataset, build_latent_cache, collate
+from .diffusion import DrawSettings, LossModels, LossSettings, diffusion_loss, make_noise_scheduler, sample_draws
+from .distributed import (
+    check_finite_everywhere,
+    describe_sharding,
+    gather_pipeline,
+    is_sharded,
+    load_optimizer_state,
+    optimizer_state,
+    plain_tensor,
+)
+from .ema import EMA
+from .embeddings import attach_tokens, set_training
+from .evaluator import Evaluator, live_eval_due, make_validation, validation_batches
+from .export import ExportError
+from .finite import NonFiniteWeightsError
+from .fused_backward import FusedBackward
+from .init_adapter import load_init_adapter, read_init_adapter
+from .latent_cache import vae_fingerprint
+from .long_prompts import length_report, local_tokenizer
+from .lr_schedule import make_lr_scheduler, schedule_settings
+from .memory.watch import OVER_PLAN, PeakWatch
+from .models import load_pipeline
+from .nan_guard import ABORT, OK, SKIP, NaNGuard, non_finite_report
+from .notify import end_event, notify
+from .optimizers import apply_configured_settings, averaged_weights, is_schedule_free, make_optimizer
+from .output_folder import OutputLock, remove_leftovers
+from .outputs import log_memory, log_step, open_tensorboard, save_final, write_summary
+from .planning import RunPlan, make_latent_cache, settle_resume
+from .precision import ENCODERS, audit, cast_trained_parameters, place_pipeline, plan_precision
 from .stop_request import EXIT_INTERRUPTED, StopRequest
 from .text_cache import prepare_text_cache
+from .trackers import open_run_log
+from .training_setup import prepare_trainable
 
-if TYPE_CHECKING:
-    import torch
-    from accelerate import Accelerator
+if TYPE_CHECKING:  # names in type hints only
     from diffusers import DDPMScheduler, StableDiffusionXLPipeline
 
-    from .diffusion import LossModels
-    from .ema import EMA
-    from .evaluator import Evaluator
-    from .fused_backward import FusedBackward
     from .latent_cache import LatentCache
-    from .memory.watch import PeakWatch
-    from .output_folder import OutputLock
     from .precision import PrecisionPlan
     from .text_cache import StandIns
     from .training_setup import Trainable
@@ -52,7 +91,6 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 @dataclass
 class Tally:
     """Bookkeeping between optimizer steps, log lines and epochs."""
-
     batch_paths: list[str] = field(default_factory=list)  # files since the last optimizer step (NaN report)
     batch_timesteps: list[int] = field(default_factory=list)
     logged_losses: list[torch.Tensor] = field(default_factory=list)  # since the last log line
@@ -65,7 +103,6 @@ class Tally:
 @dataclass
 class Run:
     """What a run holds while it trains."""
-
     config: Config
     plan: RunPlan
     accelerator: Accelerator
@@ -120,17 +157,14 @@ def start_run(config: Config, plan: RunPlan, pipe: StableDiffusionXLPipeline | N
     `pipe` replaces the model `config.model` names, and a plan without data (`plan.data` None)
     opens no data loader: the caller feeds its own batches (the full-size GPU benchmark does both).
     """
-    from .notify import notify
-
     accelerator = make_accelerator(config)
     lock = claim_output_folder(config, plan, accelerator)
     try:
-        run = assemble_run(config, plan, accelerator, pipe)
+        run = assemble_run(config, plan, accelerator, pipe, lock)
     except BaseException:
         if lock:
             lock.release()
         raise
-    run.lock = lock
     if accelerator.is_main_process:
         notify(config, "start", f"resumed at step {run.first_step}" if run.first_step else "started",
                total_steps=run.total_steps, output_dir=str(config.output_dir))
@@ -138,19 +172,8 @@ def start_run(config: Config, plan: RunPlan, pipe: StableDiffusionXLPipeline | N
 
 
 def assemble_run(config: Config, plan: RunPlan, accelerator: Accelerator,
-                 pipe: StableDiffusionXLPipeline | None) -> Run:
+                 pipe: StableDiffusionXLPipeline | None, lock: OutputLock | None) -> Run:
     """Everything `start_run` does once the output folder is locked."""
-    import torch
-    from accelerate.utils import set_seed
-    from tqdm.auto import tqdm
-
-    from .checkpointing import set_rng_state
-    from .diffusion import LossModels
-    from .distributed import describe_sharding, is_sharded
-    from .lr_schedule import make_lr_scheduler, schedule_settings
-    from .optimizers import is_schedule_free, make_optimizer
-    from .precision import plan_precision
-
     state = plan.resume.snapshot if plan.resume else None
     seed = choose_seed(config, state, accelerator)
     set_seed(seed)
@@ -168,55 +191,65 @@ def assemble_run(config: Config, plan: RunPlan, accelerator: Accelerator,
     scaler = torch.amp.GradScaler(accelerator.device.type, enabled=precision.uses_grad_scaler)
     # Under FSDP this shards the UNet in place and points the optimizer at the slices.
     *prepared, optimizer, lr_scheduler = accelerator.prepare(*trainable.modules.values(), optimizer, lr_scheduler)
-    # Forward through the prepared modules (DDP wrappers under several processes): that is what
-    # synchronises the gradients. Saving and eval use the pipeline (gathered under FSDP).
-    forward = dict(zip(trainable.modules, prepared, strict=True))
-    unet = forward.get("unet", pipe.unet)  # textual inversion alone trains no UNet
-    if config.model.use_torch_compile:
-        unet = torch.compile(unet, **config.model.torch_compile_kwargs)
-    text_encoders = [forward.get(name, stand_ins.loss.get(name, getattr(pipe, name))) for name in ENCODERS]
-    training = config.training
-    guard = NaNGuard(training.nan_policy if not training.detect_anomaly else "abort", training.max_nan_skips,
-                     precision.uses_grad_scaler, consecutive=state.nan_skips if state else 0)
-    models = LossModels(pipe, unet, text_encoders, config.data.max_token_length)
-    run = Run(config, plan, accelerator, pipe, noise_scheduler, trainable, prepared,
-              models, optimizer, lr_scheduler, scaler, precision.autocast(), guard, seed)
     if is_schedule_free(optimizer):
         optimizer.train()  # it steps only in train mode; a resumed state says so again
+    restored = Restored(Position())
     if state:
-        restore_training_state(run, state)
+        restored = restore_training_state(state, config, accelerator, trainable, prepared, optimizer, lr_scheduler,
+                                          scaler)
     accelerator.print(trainable.describe())
-    run.trained_params = list(trainable.parameters())
-    if config.optimizer.fused_backward:
-        from .fused_backward import FusedBackward
-
-        run.fused = FusedBackward(optimizer, trainable.named_parameters())
     if is_sharded(accelerator):
         accelerator.print(describe_sharding(accelerator, trainable))
-    if plan.data is not None:
-        open_data(run, cache)
-    if accelerator.is_main_process:
-        run.writer = open_writer(run, precision)
+    sampler, loader = open_data(plan, config.data, seed, accelerator.process_index, cache)
+    run = Run(
+        config=config, plan=plan, accelerator=accelerator, pipe=pipe, noise_scheduler=noise_scheduler,
+        trainable=trainable, prepared=prepared, models=loss_models(config, pipe, trainable, prepared, stand_ins),
+        optimizer=optimizer, lr_scheduler=lr_scheduler, scaler=scaler, autocast=precision.autocast(),
+        guard=make_guard(config, precision.uses_grad_scaler, state), seed=seed, loader=loader, sampler=sampler,
+        position=restored.position, ema=restored.ema,
+        writer=open_writer(config, plan, precision) if accelerator.is_main_process else None,
+        trained_params=list(trainable.parameters()), warmup_steps=warmup_steps, lock=lock,
+        first_step=restored.position.step, earlier_seconds=restored.seconds,
+        fused=FusedBackward(optimizer, trainable.named_parameters()) if config.optimizer.fused_backward else None,
+    )
+    if accelerator.is_main_process:  # made from the run: its validation loss runs the run's models
         run.evaluator = make_evaluator(run, cache, stand_ins)
-    run.first_step, run.started, run.warmup_steps = run.position.step, time.time(), warmup_steps
     if state:  # from here on every process draws what it would have drawn next
         set_rng_state(state.rng[accelerator.process_index % len(state.rng)])
-    run.stop, run.memory = StopRequest(), watch_memory(run)
+    run.stop, run.memory = StopRequest(), watch_memory(plan, pipe, accelerator.device)
     if plan.prompts and not state and config.eval.live.enabled and config.eval.live.at_start:
-        live_eval(run, 0)  # the "before" picture
+        live_eval(run, 0)  # the "before" picture, before the progress bar starts
     run.progress = tqdm(total=plan.total_steps, initial=run.position.step, desc="training",
                         disable=not accelerator.is_main_process)
     return run
 
 
-def watch_memory(run: Run) -> PeakWatch | None:
-    """The measured peak beside the plan, from here on (None when no plan was made)."""
-    from .memory.watch import PeakWatch
+def loss_models(config: Config, pipe: StableDiffusionXLPipeline, trainable: Trainable,
+                prepared: list[torch.nn.Module], stand_ins: StandIns) -> LossModels:
+    """What the loss runs forward: the prepared modules (DDP wrappers under several processes: that
+    is what synchronises the gradients), the compiled UNet, the text cache's stand-ins for frozen
+    encoders. Saving and eval use the pipeline (gathered under FSDP)."""
+    forward = dict(zip(trainable.modules, prepared, strict=True))
+    unet = forward.get("unet", pipe.unet)  # textual inversion alone trains no UNet
+    if config.model.use_torch_compile:
+        unet = torch.compile(unet, **config.model.torch_compile_kwargs)
+    text_encoders = [forward.get(name, stand_ins.loss.get(name, getattr(pipe, name))) for name in ENCODERS]
+    return LossModels(pipe, unet, text_encoders, config.data.max_token_length)
 
-    if run.plan.memory is None:
+
+def make_guard(config: Config, grad_scaler: bool, state: TrainerSnapshot | None) -> NaNGuard:
+    """`training.nan_policy` (abort under `detect_anomaly`); a resume continues its count of skips."""
+    training = config.training
+    return NaNGuard(training.nan_policy if not training.detect_anomaly else "abort", training.max_nan_skips,
+                    grad_scaler, consecutive=state.nan_skips if state else 0)
+
+
+def watch_memory(plan: RunPlan, pipe: StableDiffusionXLPipeline, device: torch.device) -> PeakWatch | None:
+    """The measured peak beside the plan, from here on (None when no plan was made)."""
+    if plan.memory is None:
         return None
-    components = [getattr(run.pipe, name) for name in ("unet", "vae", *ENCODERS)]
-    return PeakWatch(run.device, [t for module in components for t in [*module.parameters(), *module.buffers()]])
+    components = [getattr(pipe, name) for name in ("unet", "vae", *ENCODERS)]
+    return PeakWatch(device, [t for module in components for t in [*module.parameters(), *module.buffers()]])
 
 
 def choose_seed(config: Config, state: TrainerSnapshot | None, accelerator: Accelerator) -> int:
@@ -234,13 +267,6 @@ def claim_output_folder(config: Config, plan: RunPlan, accelerator: Accelerator)
     checkpoints beyond the limit (a kill between writing one and pruning leaves one too many); every
     process then continues from that choice. A folder in use by another run stops every process
     with a ConfigError, a completed run with RunComplete."""
-    from accelerate.utils import broadcast_object_list
-
-    from .checkpointing import choose_resume, prune_checkpoints
-    from .config import ConfigError
-    from .output_folder import OutputLock, remove_leftovers
-    from .planning import settle_resume
-
     lock, refusal, choice = None, None, None
     if accelerator.is_main_process:
         lock = OutputLock(config.output_dir)
@@ -276,10 +302,6 @@ def claim_output_folder(config: Config, plan: RunPlan, accelerator: Accelerator)
 
 def make_accelerator(config: Config) -> Accelerator:
     """One process, or one of those `accelerate launch` started (gloo on the CPU without GPUs)."""
-    import torch
-    from accelerate import Accelerator
-    from accelerate.utils import InitProcessGroupKwargs
-
     has_accelerator = torch.cuda.is_available() or torch.backends.mps.is_available()
     # Casting follows the precision plan (training.mixed_precision), never accelerate's setting:
     # both at once would autocast twice, and FSDP would upcast bf16 weights to fp32.
@@ -299,8 +321,6 @@ def load_base_pipeline(config: Config, plan: RunPlan, accelerator: Accelerator) 
     """The model to train: `model.id`, or a full fine-tune's own pipeline when it resumes. The
     first process of each machine loads first: it writes what is written (a hub download, the
     built-in model), and the others on that machine then find it done."""
-    from .models import load_pipeline
-
     with accelerator.local_main_process_first():
         if plan.resume and config.adapter.type == "none":  # a full fine-tune continues from its pipeline
             return load_pipeline(config.model.model_copy(update={"id": str(plan.resume.folder), "vae": None}))
@@ -312,20 +332,6 @@ def setup_models(config: Config, plan: RunPlan, precision: PrecisionPlan, accele
     """Place SDXL in the planned dtypes, cache latents, attach adapters (or unfreeze), audit.
     The latent cache is built by the first process of each machine, as the model is loaded:
     caches are usually local disks, and on a shared one the writes are atomic and identical."""
-    from safetensors.torch import load_file
-
-    from .adapters import load_adapter_weights, weight_file_name
-    from .attention import set_attention
-    from .data import build_latent_cache
-    from .diffusion import make_noise_scheduler
-    from .embeddings import attach_tokens
-    from .init_adapter import load_init_adapter, read_init_adapter
-    from .latent_cache import vae_fingerprint
-    from .long_prompts import length_report, local_tokenizer
-    from .planning import make_latent_cache
-    from .precision import audit, cast_trained_parameters, place_pipeline
-    from .training_setup import prepare_trainable
-
     device = accelerator.device
     resume_folder = plan.resume.folder if plan.resume else None
     place_pipeline(pipe, precision, device)
@@ -366,59 +372,57 @@ def setup_models(config: Config, plan: RunPlan, precision: PrecisionPlan, accele
     return noise_scheduler, cache, trainable
 
 
-def restore_training_state(run: Run, state: TrainerSnapshot) -> None:
-    """Optimizer, LR schedule, grad scaler, data position and EMA of the run being resumed."""
-    from .distributed import load_optimizer_state
-    from .ema import EMA
-    from .optimizers import apply_configured_settings
+class Restored(NamedTuple):
+    """What a resume brings back besides the optimizer's, schedule's and scaler's own state."""
+    position: Position
+    seconds: float = 0.0  # training time of the sessions before
+    ema: EMA | None = None
 
-    configured = [dict(group) for group in run.optimizer.param_groups]
-    load_optimizer_state(run.accelerator, next(iter(run.prepared), None), run.optimizer, state.optimizer)
-    run.lr_scheduler.load_state_dict(state.lr_scheduler)
-    for change in apply_configured_settings(run.optimizer, run.lr_scheduler, configured, run.config.optimizer,
-                                            run.trainable.group_names):
-        run.accelerator.print(f"resume: the config changes {change} (the config's value is used)")
-    run.scaler.load_state_dict(state.scaler)
-    run.position = Position(**vars(state.position))
-    run.earlier_seconds = state.seconds
+
+def restore_training_state(state: TrainerSnapshot, config: Config, accelerator: Accelerator, trainable: Trainable,
+                           prepared: list[torch.nn.Module], optimizer: Any, lr_scheduler: Any,
+                           scaler: torch.amp.GradScaler) -> Restored:
+    """Optimizer, LR schedule and grad scaler of the run being resumed (in place; the config's
+    learning rates and optimizer settings win), and its data position, time and EMA."""
+    configured = [dict(group) for group in optimizer.param_groups]
+    load_optimizer_state(accelerator, next(iter(prepared), None), optimizer, state.optimizer)
+    lr_scheduler.load_state_dict(state.lr_scheduler)
+    for change in apply_configured_settings(optimizer, lr_scheduler, configured, config.optimizer,
+                                            trainable.group_names):
+        accelerator.print(f"resume: the config changes {change} (the config's value is used)")
+    scaler.load_state_dict(state.scaler)
+    ema = None
     if state.ema is not None:
-        model = run.config.model
-        run.ema = EMA(list(run.trainable.named_parameters()), model.ema_decay, model.ema_device)
-        run.ema.load_state_dict(state.ema)
+        ema = EMA(list(trainable.named_parameters()), config.model.ema_decay, config.model.ema_device)
+        ema.load_state_dict(state.ema)
+    return Restored(Position(**vars(state.position)), state.seconds, ema)
 
 
-def open_data(run: Run, cache: LatentCache | None) -> None:
-    """This process's batches, in an order fixed by the seed and the epoch."""
-    import torch
-    from torch.utils.data import DataLoader
-
-    from .data import ImageCaptionDataset, collate
-
-    data_plan, data = run.plan.data, run.config.data
-    run.sampler = data_plan.sampler(run.seed, rank=run.accelerator.process_index)
-    run.loader = DataLoader(
-        ImageCaptionDataset(data_plan.samples, data, run.seed, cache),
-        batch_sampler=run.sampler, collate_fn=collate, num_workers=data.num_workers,
+def open_data(plan: RunPlan, data: DataConfig, seed: int, rank: int,
+              cache: LatentCache | None) -> tuple[Any, DataLoader | None]:
+    """This process's batch sampler and batches, in an order fixed by the seed and the epoch (none
+    for a plan without data: its caller feeds its own batches)."""
+    if plan.data is None:
+        return None, None
+    sampler = plan.data.sampler(seed, rank=rank)
+    loader = DataLoader(
+        ImageCaptionDataset(plan.data.samples, data, seed, cache),
+        batch_sampler=sampler, collate_fn=collate, num_workers=data.num_workers,
         # Its own generator: starting an epoch must not draw from the training RNG (exact resume).
-        generator=torch.Generator().manual_seed(run.seed),
+        generator=torch.Generator().manual_seed(seed),
     )
+    return sampler, loader
 
 
-def open_writer(run: Run, precision: PrecisionPlan):
+def open_writer(config: Config, plan: RunPlan, precision: PrecisionPlan):
     """TensorBoard and the trackers (continuing the resumed run's tracker runs), or None."""
-    from .outputs import open_tensorboard
-    from .trackers import open_run_log
-
-    preflight = run.plan.preflight + "\n" + precision.table()
-    resumed = run.plan.resume.snapshot.tracker_runs if run.plan.resume else {}
-    return open_run_log(run.config, open_tensorboard(run.config, preflight), resumed, preflight)
+    preflight = plan.preflight + "\n" + precision.table()
+    resumed = plan.resume.snapshot.tracker_runs if plan.resume else {}
+    return open_run_log(config, open_tensorboard(config, preflight), resumed, preflight)
 
 
 def make_evaluator(run: Run, cache: LatentCache | None, stand_ins: StandIns) -> Evaluator | None:
     """Eval images and the validation loss (main process; None when eval is off)."""
-    from .diffusion import LossModels, diffusion_loss
-    from .evaluator import Evaluator, make_validation, validation_batches
-
     if not run.plan.prompts:
         return None
     validation = None
@@ -445,9 +449,6 @@ def epoch_batches(run: Run) -> Iterator[dict]:
 def forward_backward(run: Run, batch: dict) -> torch.Tensor:
     """One micro-batch: the loss on its per-image draws, and its gradients (which add up over
     `grad_accum_steps` micro-batches)."""
-    from .diffusion import DrawSettings, LossSettings, diffusion_loss, sample_draws
-    from .embeddings import set_training
-
     training, tally = run.config.training, run.tally
     set_training(run.trainable.tokens, run.position.step, run.plan.total_steps)
     run.position.batches_in_epoch += 1
@@ -468,11 +469,6 @@ def forward_backward(run: Run, batch: dict) -> torch.Tensor:
 def optimizer_step(run: Run, loss: torch.Tensor) -> StepResult:
     """Unscale, clip, check for NaN/Inf, step. A skipped or aborted step changes no weight and
     does not count; otherwise the LR schedule and the position advance."""
-    import torch
-
-    from .distributed import plain_tensor
-    from .nan_guard import non_finite_report
-
     training, tally = run.config.training, run.tally
     first_non_finite = None
     if run.fused:  # the tensors were stepped during backward, each after its gradient was checked
@@ -510,13 +506,6 @@ def optimizer_step(run: Run, loss: torch.Tensor) -> StepResult:
 
 def after_step(run: Run, result: StepResult) -> None:
     """What follows an optimizer step: EMA, logging, the rank check and live eval, as due."""
-    import torch
-
-    from .distributed import is_sharded
-    from .ema import EMA
-    from .evaluator import live_eval_due
-    from .outputs import log_memory, log_step
-
     config, step, tally = run.config, run.position.step, run.tally
     training = config.training
     if config.model.use_ema and step >= run.warmup_steps and step % training.ema_update_every == 0:
@@ -543,9 +532,6 @@ def after_step(run: Run, result: StepResult) -> None:
 def live_eval(run: Run, step: int) -> None:
     """Live eval images and validation loss, with the weights eval should see (every process
     calls it: under FSDP gathering the weights is collective)."""
-    from .distributed import gather_pipeline
-    from .optimizers import averaged_weights
-
     use_ema = run.ema and run.evaluator and run.config.eval.use_ema
     with (averaged_weights(run.optimizer, run.trained_params),
           run.ema.swapped_in() if use_ema else contextlib.nullcontext()):
@@ -558,11 +544,6 @@ def live_eval(run: Run, step: int) -> None:
 def check_ranks_agree(run: Run, step: int) -> None:
     """Under several processes, every rank must hold the same trained weights after a step (DDP's
     promise): compare a checksum of them across ranks, cheaply, every `log_every` steps."""
-    import torch
-    from accelerate.utils import gather
-
-    from .distributed import check_finite_everywhere
-
     params = run.trained_params
     checksum = torch.stack([sum(p.detach().double().sum() for p in params),
                             sum(p.detach().double().pow(2).sum() for p in params)]).to(run.device)
@@ -576,8 +557,6 @@ def check_ranks_agree(run: Run, step: int) -> None:
 def end_epoch(run: Run) -> None:
     """Per-epoch loss min/mean/max, and (once) a warning when the loss stays at the level of
     predicting nothing (a mean of 1.0 or more: the target has unit variance) after warmup."""
-    import torch
-
     losses, position = run.tally.epoch_losses, run.position
     if losses:
         values = torch.stack(losses).float()
@@ -603,11 +582,6 @@ def checkpoint_due(run: Run) -> bool:
 def take_snapshot(run: Run) -> TrainerSnapshot:
     """The trainer state to save; every process must call this (the RNG states are gathered from
     all of them, and under FSDP the optimizer state too)."""
-    from accelerate.utils import gather_object
-
-    from .checkpointing import rng_state
-    from .distributed import optimizer_state
-
     rng_states = gather_object([rng_state()])
     whole_optimizer = optimizer_state(run.accelerator, next(iter(run.prepared), None), run.optimizer)
     return TrainerSnapshot(
@@ -621,9 +595,6 @@ def take_snapshot(run: Run) -> TrainerSnapshot:
 def save_checkpoint(run: Run) -> Path | None:
     """Every process hands over its RNG state (and under FSDP its slices of the weights and the
     optimizer state); the main process writes the checkpoint and returns its folder."""
-    from . import checkpointing
-    from .distributed import check_finite_everywhere, gather_pipeline
-
     accelerator, config = run.accelerator, run.config
     check_finite_everywhere(accelerator, run.trainable)
     snapshot = take_snapshot(run)
@@ -667,11 +638,6 @@ def save_outputs(run: Run) -> int:
     the final eval images; the exit code says whether all of it worked. A stop requested during
     these writes is honoured between them: the write in progress finishes, a checkpoint of the
     last step is saved, and the resume command finishes the job."""
-    from .distributed import check_finite_everywhere, gather_pipeline
-    from .export import ExportError
-    from .finite import NonFiniteWeightsError
-    from .optimizers import averaged_weights
-
     accelerator = run.accelerator
     accelerator.wait_for_everyone()
     if run.tally.rank_checks:
@@ -713,10 +679,6 @@ def save_outputs(run: Run) -> int:
 def final_writes(run: Run, pipe: StableDiffusionXLPipeline, snapshot: TrainerSnapshot) -> Iterator[str]:
     """The final outputs, one write at a time: it names each write before starting it, so the
     caller can stop between two."""
-    from . import checkpointing
-    from .export import export_after_training
-    from .outputs import save_final
-
     config, trainable = run.config, run.trainable.on(pipe)
     writing = run.memory.paused if run.memory else contextlib.nullcontext
     yield "final weights"
@@ -724,7 +686,7 @@ def final_writes(run: Run, pipe: StableDiffusionXLPipeline, snapshot: TrainerSna
         save_final(config, pipe, trainable)
     yield "exports"
     with writing():
-        export_after_training(config, pipe, trainable)
+        export.export_after_training(config, pipe, trainable)
     yield "trainer state"
     with writing():
         checkpointing.save_state(config.state_path, config, run.plan.soft, snapshot)
@@ -738,9 +700,6 @@ def interrupt_final(run: Run, pipe: StableDiffusionXLPipeline, snapshot: Trainer
     """A stop during the final writes (main process; the others have left): a checkpoint of the
     last step, from the trained (not EMA) weights, which the main process holds unless they are
     sharded; resuming from it redoes the final writes."""
-    from . import checkpointing
-    from .distributed import is_sharded
-
     config, step = run.config, run.position.step
     said = f"interrupted during the final save, before the {pending}"
     status = f"interrupted during the final save at step {step}"
@@ -763,8 +722,6 @@ def interrupt_final(run: Run, pipe: StableDiffusionXLPipeline, snapshot: Trainer
 def memory_summary(run: Run) -> dict[str, Any] | None:
     """Planned and measured peak (bytes) and their ratio; a warning when the measured one is more
     than 10 % above the plan."""
-    from .memory.watch import OVER_PLAN
-
     if run.memory is None:
         return None
     run.memory.stop()
@@ -781,10 +738,6 @@ def memory_summary(run: Run) -> dict[str, Any] | None:
 def finish(run: Run, status: str, code: int) -> int:
     """Write run_summary.json, close TensorBoard and the trackers, tell run.notify and say where
     things are (main process only)."""
-    from .checkpointing import list_checkpoints
-    from .notify import end_event, notify
-    from .outputs import write_summary
-
     if not run.accelerator.is_main_process:
         return code
     config, evaluator, data_plan = run.config, run.evaluator, run.plan.data
