@@ -73,8 +73,11 @@ def load_model(model_id: str, config_dir: str | None, option: str) -> StableDiff
         model = ModelConfig(id=model_id, config_dir=config_dir)
         check_model(model)
         return load_pipeline(model)
-    except (ConfigError, OSError, ValueError) as error:
-        message = str(error).replace("model.id", option).splitlines()[0]
+    except ConfigError as error:  # names the path and what is wrong with it
+        message = str(error).replace("model.id =", option).replace("model.config_dir =", "--config-dir")
+        raise ExtractError(message) from None
+    except (OSError, ValueError) as error:
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise ExtractError(f"{option} {model_id}: cannot load it as an SDXL model ({message})") from error
 
 

@@ -95,8 +95,10 @@ def resize(path: Path, choice: RankChoice, base: StableDiffusionXLPipeline | Non
 def _layer_weight(path: Path, model: object, module: AdapterModule, real: bool) -> torch.Tensor | None:
     """The base weight of the module's layer (None without a base model); a module of no SDXL
     layer, or of another shape, or not LoRA/DoRA, is refused."""
-    if module.algorithm != "lora" or "down" not in module.tensors or "up" not in module.tensors:
+    if module.algorithm != "lora":
         raise ResizeError(f"{path}: {module.label} is {module.algorithm}, not LoRA/DoRA: only those are resized")
+    if "down" not in module.tensors or "up" not in module.tensors:
+        raise ResizeError(f"{path}: {module.label} lacks its lora_down or lora_up tensor")
     layer = find_layer(model, module)
     if layer is None or not hasattr(layer, "weight"):
         raise ResizeError(f"{path}: {module.label} is no layer of SDXL" + (" (of --base)" if real else "")
