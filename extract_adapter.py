@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def extract(args: argparse.Namespace) -> None:
-    from sdxl_trainer.adapter_extraction import ExtractOptions, load_model, write_adapter
+    from sdxl_trainer.adapter_extraction import ExtractOptions, load_models, write_adapter
     from sdxl_trainer.adapter_extraction import extract as extract_layers
 
     if args.error_target is not None:
@@ -66,8 +66,7 @@ def extract(args: argparse.Namespace) -> None:
     as_file = out.suffix == ".safetensors"
     if out.exists() and out.is_dir() == as_file:
         raise LowRankError(f"--out {out}: is a {'folder' if as_file else 'file'}; name a .safetensors file or a folder")
-    base = load_model(args.base, args.config_dir, "--base")
-    tuned = load_model(args.tuned, args.config_dir, "--tuned")
+    base, tuned = load_models({"--base": args.base, "--tuned": args.tuned}, args.config_dir)
     extraction = extract_layers(base, tuned, options)
     del tuned
     print_report([layer.error for layer in extraction.layers], per_layer=not args.quiet)

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def resize(args: argparse.Namespace) -> None:
-    from sdxl_trainer.adapter_extraction import load_model
+    from sdxl_trainer.adapter_extraction import load_models
     from sdxl_trainer.adapter_resizing import ResizeError, input_file, write_resized
     from sdxl_trainer.adapter_resizing import resize as resize_modules
 
@@ -54,7 +54,7 @@ def resize(args: argparse.Namespace) -> None:
     path = input_file(args.input)
     if out.resolve() == path.resolve():
         raise ResizeError(f"--out {out}: is the input file; write the resized adapter elsewhere")
-    base = load_model(args.base, args.config_dir, "--base") if args.base else None
+    base = load_models({"--base": args.base}, args.config_dir)[0] if args.base else None
     resized = resize_modules(path, choice, base)
     print(f"{path}: {resized.file_format}, {len(resized.modules)} modules")
     print_report(resized.errors, per_layer=not args.quiet)

@@ -13,9 +13,11 @@ and their size reported: they are lost.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -63,16 +65,31 @@ class Extraction:
     unchanged: int = 0  # target layers whose weight did not change (no module)
 
 
-def load_model(model_id: str, config_dir: str | None, option: str) -> StableDiffusionXLPipeline:
-    """A model as `model.id` names it (diffusers folder, single file, hub id, builtin:tiny-sdxl)."""
-    from .config import ConfigError, ModelConfig
+def load_models(models: dict[str, str], config_dir: str | None) -> list[StableDiffusionXLPipeline]:
+    """The models (option → `model.id`: a diffusers folder, single file, hub id or builtin:tiny-sdxl),
+    each checked before any is loaded, so that a wrong one is reported at once."""
+    from .config import ModelConfig
     from .models import check_model, load_pipeline
 
-    print(f"loading {option} {model_id} …", flush=True)
+    configs = {option: ModelConfig(id=model_id, config_dir=config_dir) for option, model_id in models.items()}
+    for option, model in configs.items():
+        with _named(option, model.id):
+            check_model(model)
+    pipes = []
+    for option, model in configs.items():
+        print(f"loading {option} {model.id} …", flush=True)
+        with _named(option, model.id):
+            pipes.append(load_pipeline(model))
+    return pipes
+
+
+@contextlib.contextmanager
+def _named(option: str, model_id: str) -> Iterator[None]:
+    """A model that does not load as an ExtractError naming the option."""
+    from .config import ConfigError
+
     try:
-        model = ModelConfig(id=model_id, config_dir=config_dir)
-        check_model(model)
-        return load_pipeline(model)
+        yield
     except ConfigError as error:  # names the path and what is wrong with it
         message = str(error).replace("model.id =", option).replace("model.config_dir =", "--config-dir")
         raise ExtractError(message) from None

@@ -56,11 +56,11 @@ def _fine_tune(pipe) -> None:
 @pytest.fixture(scope="module")
 def models(tiny_sdxl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     base = load_pipeline(TINY)
-    tuned = copy.deepcopy(base)
+    clean, tuned = copy.deepcopy(base), copy.deepcopy(base)
     _fine_tune(tuned)
     folder = tmp_path_factory.mktemp("tuned") / "my_full_run"
     tuned.save_pretrained(folder)
-    return SimpleNamespace(base=base, tuned=tuned, folder=folder)
+    return SimpleNamespace(base=base, clean=clean, tuned=tuned, folder=folder)
 
 
 def _weights(pipe) -> dict[str, dict[str, torch.Tensor]]:
@@ -68,11 +68,9 @@ def _weights(pipe) -> dict[str, dict[str, torch.Tensor]]:
             for component in ("unet", "text_encoder", "text_encoder_2")}
 
 
-def _fused(tiny_sdxl_dir: Path, adapter_file: Path) -> dict[str, dict[str, torch.Tensor]]:
+def _fused(models: SimpleNamespace, adapter_file: Path) -> dict[str, dict[str, torch.Tensor]]:
     """The tiny model's weights with `adapter_file` loaded by diffusers and fused at strength 1."""
-    from diffusers import StableDiffusionXLPipeline
-
-    pipe = StableDiffusionXLPipeline.from_pretrained(tiny_sdxl_dir)
+    pipe = copy.deepcopy(models.clean)
     pipe.load_lora_weights(str(adapter_file))
     pipe.fuse_lora(lora_scale=1.0)
     pipe.unload_lora_weights()
@@ -146,7 +144,7 @@ def test_factors_are_the_best_approximation_and_the_randomized_svd_finds_an_exac
 
 
 def test_extracted_ranks_by_error_target_load_in_diffusers_as_the_tuned_weights(
-        models: SimpleNamespace, tiny_sdxl_dir: Path, tmp_path: Path) -> None:
+        models: SimpleNamespace, tmp_path: Path) -> None:
     """At a tight error target each layer gets its update's own rank (3 or 2: a per-layer rank
     pattern in both formats), and both files fuse in diffusers to the tuned weights."""
     choice = RankChoice(8, "sv_fro", math.sqrt(1 - 0.01**2))
@@ -162,18 +160,18 @@ def test_extracted_ranks_by_error_target_load_in_diffusers_as_the_tuned_weights(
     assert [path.name for path in files] == ["pytorch_lora_weights.safetensors", "extracted_kohya.safetensors"]
     assert not hasattr(models.base.unet, "peft_config"), "the adapter must be taken off the base again"
     for path in files:
-        checked = _check_fused(_fused(tiny_sdxl_dir, path), models,
+        checked = _check_fused(_fused(models, path), models,
                                lambda component, name: _layer_pair(models, component, name)[1])
         assert checked == len(extraction.layers)
 
 
 @pytest.mark.parametrize("file_format", ["diffusers", "kohya"])
 def test_extracted_lora_fuses_in_diffusers_to_base_plus_the_best_rank_approximation(
-        models: SimpleNamespace, tiny_sdxl_dir: Path, tmp_path: Path, file_format: str) -> None:
+        models: SimpleNamespace, tmp_path: Path, file_format: str) -> None:
     extraction = extract(models.base, models.tuned, ExtractOptions(RankChoice(1)))
     assert all(layer.error.weight_error > 1e-4 for layer in extraction.layers), "rank 1 misses part of every update"
     [path] = write_adapter(models.base, extraction, tmp_path / "lora.safetensors", (file_format,))
-    checked = _check_fused(_fused(tiny_sdxl_dir, path), models,
+    checked = _check_fused(_fused(models, path), models,
                            lambda component, name: _best_approximation(*_layer_pair(models, component, name), 1))
     assert checked == len(extraction.layers)
 
@@ -191,8 +189,8 @@ def _expected_dora(models: SimpleNamespace, component: str, name: str) -> torch.
 
 
 def test_extracted_dora_fuses_in_diffusers_with_the_tuned_models_norms_exactly(
-        models: SimpleNamespace, dora: SimpleNamespace, tiny_sdxl_dir: Path) -> None:
-    fused = _fused(tiny_sdxl_dir, dora.diffusers_file)
+        models: SimpleNamespace, dora: SimpleNamespace) -> None:
+    fused = _fused(models, dora.diffusers_file)
     checked = _check_fused(fused, models, lambda component, name: _expected_dora(models, component, name))
     assert checked == len(dora.extraction.layers)
     for layer in dora.extraction.layers:
@@ -257,17 +255,17 @@ def rank3(models: SimpleNamespace, tmp_path_factory: pytest.TempPathFactory) -> 
 
 @pytest.mark.parametrize("which", [0, 1], ids=["diffusers", "kohya"])
 def test_resized_lora_fuses_in_diffusers_to_the_best_lower_rank_approximation(
-        models: SimpleNamespace, rank3: SimpleNamespace, tiny_sdxl_dir: Path, tmp_path: Path, which: int,
+        models: SimpleNamespace, rank3: SimpleNamespace, tmp_path: Path, which: int,
         capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "resized.safetensors"
     assert resize_adapter.main([str(rank3.lora[which]), "--rank", "1", "--out", str(out), "--quiet"]) == 0
     assert "overall: 275 layers, rank 1–1" in capsys.readouterr().out
-    _check_fused(_fused(tiny_sdxl_dir, out), models,
+    _check_fused(_fused(models, out), models,
                  lambda component, name: _best_approximation(*_layer_pair(models, component, name), 1))
 
 
 def test_resized_dora_keeps_the_magnitude_and_the_merged_norms(
-        models: SimpleNamespace, rank3: SimpleNamespace, tiny_sdxl_dir: Path, tmp_path: Path) -> None:
+        models: SimpleNamespace, rank3: SimpleNamespace, tmp_path: Path) -> None:
     out = tmp_path / "dora_r1.safetensors"
     assert resize_adapter.main([str(rank3.dora[0]), "--rank", "1", "--out", str(out), "--quiet",
                                 "--base", "builtin:tiny-sdxl"]) == 0
@@ -275,12 +273,12 @@ def test_resized_dora_keeps_the_magnitude_and_the_merged_norms(
         magnitudes = [key for key in before.keys() if "lora_magnitude_vector" in key]  # noqa: SIM118
         assert len(magnitudes) == 275
         assert all(torch.equal(before.get_tensor(key), after.get_tensor(key)) for key in magnitudes)
-    fused = _fused(tiny_sdxl_dir, out)
+    fused = _fused(models, out)
     _check_fused(fused, models, lambda component, name: _expected_dora(models, component, name))
 
 
 def test_dynamic_resize_keeps_each_modules_own_rank_and_loads_with_the_rank_pattern(
-        models: SimpleNamespace, rank3: SimpleNamespace, tiny_sdxl_dir: Path, tmp_path: Path) -> None:
+        models: SimpleNamespace, rank3: SimpleNamespace, tmp_path: Path) -> None:
     """sv_fro at 0.99999 drops the third (zero) singular value of the rank-2 updates only."""
     for which in (0, 1):
         out = tmp_path / f"dynamic{which}.safetensors"
@@ -290,7 +288,7 @@ def test_dynamic_resize_keeps_each_modules_own_rank_and_loads_with_the_rank_patt
             ranks = {handle.get_tensor(key).shape[0] for key in handle.keys()  # noqa: SIM118
                      if key.endswith(("lora_down.weight", "lora_A.weight"))}
         assert ranks == {2, 3}
-        _check_fused(_fused(tiny_sdxl_dir, out), models,
+        _check_fused(_fused(models, out), models,
                      lambda component, name: _layer_pair(models, component, name)[1])
 
 
@@ -306,14 +304,14 @@ def test_both_tools_explain_themselves() -> None:
 
 
 def test_extract_command_line_reads_an_output_folder_and_writes_a_dora_that_diffusers_loads(
-        models: SimpleNamespace, tiny_sdxl_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+        models: SimpleNamespace, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "my_dora.safetensors"
     assert extract_adapter.main(["--base", "builtin:tiny-sdxl", "--tuned", str(models.folder), "--rank", "1",
                                  "--dora", "--format", "diffusers", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "overall: 275 layers, rank 1–1" in printed and "unet.down_blocks.0.resnets.0.conv1 " in printed
     assert "lost: 1 changed tensor(s)" in printed and LOST_BIAS in printed
-    _check_fused(_fused(tiny_sdxl_dir, out), models,
+    _check_fused(_fused(models, out), models,
                  lambda component, name: _expected_dora(models, component, name))
 
 
