@@ -109,10 +109,11 @@ def target_layers(module: torch.nn.Module, component: str, targets: str) -> list
 
 
 def extract(base: StableDiffusionXLPipeline, tuned: StableDiffusionXLPipeline, options: ExtractOptions) -> Extraction:
-    """Every changed target layer's factors, magnitude (DoRA) and error; the models are unchanged."""
+    """Every changed target layer's factors, magnitude (DoRA) and error; the models are unchanged.
+    The models are compared whole (cheap) before any SVD (minutes for SDXL)."""
     import torch
 
-    extraction = Extraction([], options.dora)
+    extraction, changed = Extraction([], options.dora), []
     change = total = 0.0
     with torch.no_grad():
         for component in COMPONENTS:
@@ -124,16 +125,21 @@ def extract(base: StableDiffusionXLPipeline, tuned: StableDiffusionXLPipeline, o
                 if torch.equal(weight, target):
                     extraction.unchanged += 1
                     continue
-                extraction.layers.append(_extract_layer(component, name, weight, target, options))
-                change += extraction.layers[-1].factors.total_energy
+                if options.rank.rank > max_rank(weight.shape) and options.rank.dynamic is None:
+                    raise ExtractError(f"--rank {options.rank.rank} is above the rank of {component}.{name} (at most "
+                                       f"{max_rank(weight.shape)} for its shape {list(weight.shape)}): lower --rank, "
+                                       "or pick the targets with --targets")
+                changed.append((component, name, weight, target))
+                change += float((target.double() - weight.double()).square().sum())
                 total += float(weight.double().square().sum())
             adapted = {f"{name}.weight" for name in names}
             extraction.lost |= _lost_changes(component, base_module.state_dict(), tuned_state, adapted)
-    if not extraction.layers:
-        raise ExtractError("the tuned model's target layers equal the base's: nothing to extract")
-    if change > UNRELATED_CHANGE**2 * total:
-        raise ExtractError(f"the tuned model differs from the base by {(change / total) ** 0.5:.2f} of its weights' "
-                           "norm: not a fine-tune of this base (pass the model it was trained from)")
+        if not changed:
+            raise ExtractError("the tuned model's target layers equal the base's: nothing to extract")
+        if change > UNRELATED_CHANGE**2 * total:
+            raise ExtractError(f"the tuned model differs from the base by {(change / total) ** 0.5:.2f} of its "
+                               "weights' norm: not a fine-tune of this base (pass the model it was trained from)")
+        extraction.layers = [_extract_layer(*layer, options) for layer in changed]
     return extraction
 
 
@@ -154,10 +160,6 @@ def _same_architecture(component: str, base: dict[str, torch.Tensor],
 def _extract_layer(component: str, name: str, weight: torch.Tensor, target: torch.Tensor,
                    options: ExtractOptions) -> ExtractedLayer:
     label = f"{component}.{name}"
-    if options.rank.rank > max_rank(weight.shape) and options.rank.dynamic is None:
-        raise ExtractError(f"--rank {options.rank.rank} is above the rank of {label} (at most "
-                           f"{max_rank(weight.shape)} for its shape {list(weight.shape)}): lower --rank, or pick "
-                           "the targets with --targets")
     base, tuned = weight.float(), target.float()
     factors = factorize((tuned - base).flatten(1), options.rank)
     magnitude = dora_magnitude(tuned) if options.dora else None

@@ -315,6 +315,27 @@ def test_extract_command_line_reads_an_output_folder_and_writes_a_dora_that_diff
                  lambda component, name: _expected_dora(models, component, name))
 
 
+def test_extract_reads_sdxl_single_files_with_a_config_folder(
+        models: SimpleNamespace, tiny_sdxl_dir: Path, tmp_path: Path) -> None:
+    """The tuned model as one SDXL .safetensors file (this trainer's converter, exact in fp32): the
+    same factors as from the pipeline in memory."""
+    import shutil
+
+    from sdxl_trainer.adapter_extraction import load_models
+    from sdxl_trainer.converter import convert
+
+    single = convert(models.folder, tmp_path / "tuned.safetensors")
+    configs = shutil.copytree(tiny_sdxl_dir, tmp_path / "configs",
+                              ignore=shutil.ignore_patterns("*.safetensors", "*.bin", "*.index.json"))
+    [tuned] = load_models({"--tuned": str(single)}, str(configs))
+    options = ExtractOptions(RankChoice(1))
+    expected = extract(models.base, models.tuned, options).layers
+    got = extract(models.base, tuned, options).layers
+    assert [(layer.component, layer.name) for layer in got] == [(layer.component, layer.name) for layer in expected]
+    for mine, theirs in zip(got, expected, strict=True):
+        assert torch.equal(mine.factors.up, theirs.factors.up) and torch.equal(mine.factors.down, theirs.factors.down)
+
+
 def _refused(main, argv: list[str], capsys: pytest.CaptureFixture, folder: Path, words: str) -> None:
     before = sorted(folder.rglob("*"))
     assert main(argv) == 2
