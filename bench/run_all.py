@@ -1,13 +1,15 @@
 """Run every CPU benchmark and write bench/results/<name>.json and <name>.md for each.
 
-    python bench/run_all.py            # the tables of docs/performance.md (about 40 minutes on 2 cores)
+    python bench/run_all.py            # the tables of docs/performance.md (about 25 minutes on 2 cores)
     python bench/run_all.py --smoke    # seconds per benchmark: only checks that each still runs
 
 Each benchmark runs in its own interpreter, so that one's threads, memory and imports cannot
 colour the next (--smoke runs them all in this one, to save the start-ups). The built-in tiny
 model is read from, or built on first use in, SDXL_TRAINER_CACHE (default ~/.cache/sdxl_trainer),
 as the quickstart does; everything else goes to temporary folders that are removed afterwards.
-The GPU benchmark (bench/gpu_sdxl.py) is not run here: it needs a CUDA machine.
+The GPU benchmark (bench/gpu_sdxl.py) is not run here: it needs a CUDA machine; nor are the memory
+and adapter benchmarks (bench/bench_memory.py, bench/bench_adapters.py: 15 minutes, three training runs),
+which are run on their own.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import BENCH, bench_args, quiet_env
 
 BENCHMARKS = ("bench_step", "bench_text_cache", "bench_dora", "bench_data", "bench_convert", "bench_startup",
-              "bench_learning", "bench_adapters")
+              "bench_learning")
 
 
 def main(argv: list[str] | None = None) -> int:
