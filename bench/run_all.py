@@ -7,7 +7,9 @@ Each benchmark runs in its own interpreter, so that one's threads, memory and im
 colour the next (--smoke runs them all in this one, to save the start-ups). The built-in tiny
 model is read from, or built on first use in, SDXL_TRAINER_CACHE (default ~/.cache/sdxl_trainer),
 as the quickstart does; everything else goes to temporary folders that are removed afterwards.
-The GPU benchmark (bench/gpu_sdxl.py) is not run here: it needs a CUDA machine.
+The GPU benchmark (bench/gpu_sdxl.py) is not run here: it needs a CUDA machine; nor are the memory
+and adapter benchmarks (bench/bench_memory.py, bench/bench_adapters.py: 15 minutes, three training runs),
+which are run on their own.
 """
 
 from __future__ import annotations

@@ -139,15 +139,22 @@ def merged_copy(module: torch.nn.Module) -> torch.nn.Module:
         is_parameter = isinstance(tensor, torch.nn.Parameter)
         on_cpu[id(tensor)] = torch.nn.Parameter(data, requires_grad=False) if is_parameter else data
     merged = copy.deepcopy(module, on_cpu)
-    for name, layer in adapter_layers(merged):
-        layer.merge()
+    remove_adapter(merged, merge=True)
+    return merged
+
+
+def remove_adapter(module: torch.nn.Module, merge: bool) -> None:
+    """Put every peft adapter layer of `module` back to its base layer, merged into it or not, and
+    forget the adapter config, as peft's `merge_and_unload` / `unload` do for a PeftModel."""
+    for name, layer in adapter_layers(module):
+        if merge:
+            layer.merge()
         parent, _, child = name.rpartition(".")
-        setattr(merged.get_submodule(parent), child, layer.get_base_layer())
+        setattr(module.get_submodule(parent), child, layer.get_base_layer())
     # Without an adapter config, save_pretrained writes the whole model (transformers would
     # otherwise write only the adapter).
-    del merged.peft_config
-    merged._hf_peft_config_loaded = False
-    return merged
+    del module.peft_config
+    module._hf_peft_config_loaded = False
 
 
 def convert(config: Config, model_path: Path) -> Path:

@@ -102,3 +102,14 @@ def test_memory_benchmark_smoke(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
     assert row["run"] == "DoRA rank 4 (quickstart)"
     assert_positive(row, "planned_MB", "measured_MB")
     assert 0.95 <= row["measured_over_planned"] <= 1.05
+
+
+def test_adapter_benchmark_smoke(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
+    """Three 2-step runs, extraction at two ranks, the resize and the judge (bench/bench_adapters.py --smoke)."""
+    run_bench("bench_adapters.py", tmp_path)
+    adapters = {(row["model"], row["rank"]): row for row in rows_of(tmp_path / "adapters_smoke.json")}
+    assert len(adapters) == 9  # the full fine-tune, LoRA and DoRA at 2 ranks, one randomized, 3 for the resize
+    for rank in (4, 8):  # after 2 steps the update is small, but a rank-r cut of it is not exact
+        assert 0 < adapters[("LoRA extracted", rank)]["update_error"] < 1
+    assert 0 < adapters[("DoRA rank 32 resized to 8", 8)]["merged_weight_error"] < 1
+    assert all(0.0 <= row["concept"] <= 1.0 for row in adapters.values() if row["concept"] is not None)
