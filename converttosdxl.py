@@ -9,7 +9,7 @@ The output uses Stability's "sgm" layout, which ComfyUI, A1111-family UIs and di
 Memory stays near the largest single tensor plus a bounded read window (about 1.1 GB peak for
 full-size SDXL). Nothing is written unless every tensor is finite (see --allow-nonfinite), and the
 file only appears, complete and verified, at the very end. This file is the command line; the
-conversion itself is `sdxl_trainer/converter.py`, which the export after training also uses.
+conversion itself is `sdxl_trainer/formats/converter.py`, which the export after training also uses.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from sdxl_trainer.converter import ConversionError, NonFiniteError, convert
+from sdxl_trainer.formats.converter import ConversionError, NonFiniteError, convert
 
 # `import converttosdxl` keeps working for code that calls the converter in-process.
 __all__ = ["ConversionError", "NonFiniteError", "convert", "main"]

@@ -27,8 +27,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def debug(args: argparse.Namespace) -> int:
     """Print the table, the findings and a verdict for every adapter file the path names."""
-    from sdxl_trainer.adapter_files import adapter_files
     from sdxl_trainer.atomic import write_json
+    from sdxl_trainer.formats.adapter_files import adapter_files
 
     files, how = adapter_files(args.weights_path)
     base = load_base(args)

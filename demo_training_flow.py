@@ -93,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("error: the demo needs gradio: pip install -r requirements-demo.txt", file=sys.stderr)
         return EXIT_USAGE
-    from sdxl_trainer.adapter_files import AdapterFileError
     from sdxl_trainer.config import ConfigError, load_config
+    from sdxl_trainer.formats.adapter_files import AdapterFileError
     from sdxl_trainer.training_flow import load_flow_models, pick_samples
 
     try:

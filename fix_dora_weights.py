@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def fix(args: argparse.Namespace) -> int:
     """Plan, print, write and verify the repair of every adapter file the path names."""
-    from sdxl_trainer.adapter_files import adapter_files
+    from sdxl_trainer.formats.adapter_files import adapter_files
 
     files, how = adapter_files(args.weights_path)
     if args.output and len(files) > 1:
@@ -59,7 +59,7 @@ def fix(args: argparse.Namespace) -> int:
 
 
 def fix_file(path: Path, args: argparse.Namespace, base: BaseWeights | None, earlier: list[Path]) -> int:
-    from sdxl_trainer.adapter_files import PEFT, detect_format
+    from sdxl_trainer.formats.adapter_files import PEFT, detect_format
 
     file_format = detect_format(path)
     earlier_file = next((candidate for candidate in earlier if detect_format(candidate) == file_format), None)

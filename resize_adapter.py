@@ -28,7 +28,7 @@ from sdxl_trainer.lowrank import LowRankError, add_rank_options, print_report, r
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sdxl_trainer.adapter_files import AdapterFileError
+    from sdxl_trainer.formats.adapter_files import AdapterFileError
 
     description, epilog = __doc__.split("\n\n", 1)
     parser = argparse.ArgumentParser(prog="resize_adapter.py", description=description, epilog=epilog,

@@ -63,7 +63,7 @@ class Judge:
 
     def __init__(self, work: Path, smoke: bool) -> None:
         from sdxl_trainer.config import load_config
-        from sdxl_trainer.evaluator import eval_prompts
+        from sdxl_trainer.eval.evaluator import eval_prompts
 
         self.config = load_config(ROOT / "configs" / "quickstart.json",
                                   [f"eval.num_inference_steps={2 if smoke else EVAL_STEPS}"])
@@ -75,7 +75,7 @@ class Judge:
         self.renders = 0
 
     def accuracy(self, pipe) -> dict[str, float]:
-        from sdxl_trainer.evaluation import run_evaluation
+        from sdxl_trainer.eval.evaluation import run_evaluation
         from sdxl_trainer.world.accuracy import prompt_accuracy
 
         pipe.set_progress_bar_config(disable=True)
@@ -87,7 +87,7 @@ class Judge:
 
 def with_adapter(base, path: Path):
     """A copy of the base pipeline with the adapter file merged (the trainer's own loader)."""
-    from sdxl_trainer.adapter_files import load_adapter_into
+    from sdxl_trainer.formats.adapter_files import load_adapter_into
 
     pipe = copy.deepcopy(base)
     load_adapter_into(pipe, path)

@@ -55,7 +55,7 @@ def write_random_pipeline(folder: Path, sizes: dict[str, dict[str, Any]], seed: 
     tensor at a time. Returns its total and largest tensor size in bytes."""
     import torch
 
-    from sdxl_trainer.safetensors_stream import DTYPE_NAMES, StreamWriter, TensorSpec
+    from sdxl_trainer.formats.safetensors_stream import DTYPE_NAMES, StreamWriter, TensorSpec
 
     generator = torch.Generator().manual_seed(seed)
     total = largest = 0

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .adapter_files import COMPONENTS
-from .kohya_format import merged_weight
+from .formats.adapter_files import COMPONENTS
+from .formats.kohya_format import merged_weight
 from .lowrank import Factors, LayerError, LowRankError, RankChoice, dora_magnitude, factorize, layer_error, max_rank
 
 if TYPE_CHECKING:
@@ -188,7 +188,7 @@ def write_adapter(pipe: StableDiffusionXLPipeline, extraction: Extraction, desti
     `<folder name>_kohya.safetensors`). The adapter is attached to `pipe`'s base modules for the
     write and removed again."""
     from .export import remove_adapter
-    from .kohya_format import save_kohya_adapter
+    from .formats.kohya_format import save_kohya_adapter
 
     modules = _attach(pipe, extraction)
     try:

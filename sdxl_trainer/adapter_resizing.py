@@ -27,8 +27,16 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
-from .adapter_files import PEFT, AdapterFile, AdapterModule, adapter_files, find_layer, kohya_name_map, merged_weight
 from .atomic import atomic_path
+from .formats.adapter_files import (
+    PEFT,
+    AdapterFile,
+    AdapterModule,
+    adapter_files,
+    find_layer,
+    kohya_name_map,
+    merged_weight,
+)
 from .lowrank import LayerError, LowRankError, RankChoice, factorize_product, layer_error
 
 if TYPE_CHECKING:

@@ -306,8 +306,8 @@ def check_resume_weights(folder: Path, config: Config) -> None:
     """The weights a resume loads are there and complete: a truncated file is found at pre-flight,
     not after the latent cache is built."""
     from .adapters import weight_file_name
+    from .formats.safetensors_header import read_header
     from .models import require_pipeline_folder
-    from .safetensors_header import read_header
 
     inversion = config.textual_inversion
     if inversion.tokens and not inversion.train_adapter:

@@ -18,12 +18,12 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import converter
 from .adapters import save_diffusers_adapter
 from .atomic import reported_write_failures
 from .config import Config, ConfigError
 from .finite import check_finite
-from .kohya_format import adapter_layers, save_kohya_adapter
+from .formats import converter
+from .formats.kohya_format import adapter_layers, save_kohya_adapter
 from .models import with_components
 
 if TYPE_CHECKING:

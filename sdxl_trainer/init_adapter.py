@@ -33,8 +33,8 @@ if TYPE_CHECKING:
     import torch
     from diffusers import StableDiffusionXLPipeline
 
-    from .adapter_files import AdapterModule
     from .config import AdapterConfig, Config
+    from .formats.adapter_files import AdapterModule
     from .training_setup import Trainable
 
 KEY = "adapter.init_from"
@@ -79,8 +79,8 @@ def preflight_lines(config: Config, resuming: bool) -> list[str]:
 def read_init_adapter(config: Config, pipe: StableDiffusionXLPipeline) -> InitAdapter:
     """Read the file of `adapter.init_from` against `pipe` (before adapters are attached). A file
     that is no adapter, is damaged, is for another model or differs from the config is a ConfigError."""
-    from .adapter_files import KOHYA, AdapterFile, AdapterFileError, adapter_files, kohya_name_map
-    from .safetensors_header import read_header
+    from .formats.adapter_files import KOHYA, AdapterFile, AdapterFileError, adapter_files, kohya_name_map
+    from .formats.safetensors_header import read_header
     from .training_setup import adapter_targets
 
     try:
@@ -227,7 +227,7 @@ def _wanted(adapter: AdapterConfig, conv: bool) -> list[tuple[str, float, str]]:
 
 def trained_layers(trainable: Trainable) -> dict[str, Any]:
     """layer_key → the peft adapter layer attached to it, for every layer this run adapts."""
-    from .kohya_format import adapter_layers
+    from .formats.kohya_format import adapter_layers
 
     return {layer_key(component, path): layer for component, module in trainable.modules.items()
             for path, layer in adapter_layers(module)}
@@ -267,7 +267,7 @@ def _check_lokr_factors(path: Path, modules: dict[str, AdapterModule], layers: d
                         adapter: AdapterConfig) -> None:
     """LoKr's factor shapes are set by `adapter.lokr_factor` and `lokr_decompose_both`: the file's
     must be those peft makes of them (lycoris_compat.peft_lokr_parts, checked against peft)."""
-    from .lycoris_compat import peft_lokr_parts
+    from .formats.lycoris_compat import peft_lokr_parts
 
     for key, module in modules.items():
         weight = layers[key]
@@ -306,7 +306,7 @@ def _held(layer: Any) -> dict[str, torch.Tensor]:
     """role → parameter of the tensors the peft layer holds for its adapter."""
     import torch
 
-    from .adapter_files import ROLES
+    from .formats.adapter_files import ROLES
 
     held = {}
     for role in set(ROLES.values()) - {"alpha"}:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from .config import ModelConfig
     from .data_plan import DatasetPlan
-    from .eval_prompts import EvalPrompt
+    from .eval.eval_prompts import EvalPrompt
 
 CHUNK_TOKENS = 75  # a chunk's tokens between <BOS> and <EOS>
 LONG_WORD = 8  # ComfyUI's max_word_length: a word of this many tokens or more may be split

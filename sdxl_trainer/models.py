@@ -139,8 +139,8 @@ def require_pipeline_folder(folder: Path, key: str) -> None:
 def _require_sdxl_single_file(path: Path) -> None:
     """An SDXL checkpoint in the original (SGM) layout holds the UNet and both text encoders,
     the second (OpenCLIP bigG) under `conditioner.embedders.1.`."""
-    from .safetensors_header import read_header
-    from .sgm_keys import TE2_PREFIX
+    from .formats.safetensors_header import read_header
+    from .formats.sgm_keys import TE2_PREFIX
 
     try:
         names = read_header(path).keys()

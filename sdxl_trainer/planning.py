@@ -14,7 +14,7 @@ from .precision import cached_encoders
 if TYPE_CHECKING:
     from .checkpointing import Resume, ResumeChoice
     from .data_plan import DatasetPlan
-    from .eval_prompts import EvalPrompt
+    from .eval.eval_prompts import EvalPrompt
     from .latent_cache import LatentCache
     from .memory.plan import MemoryPlan
 
@@ -107,10 +107,10 @@ def plan_run(config: Config) -> RunPlan:
     from .checkpointing import choose_resume, soft_settings
     from .data_plan import EpochSettings, plan_dataset
     from .embeddings import inversion_report
-    from .evaluator import eval_prompts
+    from .eval.evaluator import eval_prompts
+    from .formats.lycoris_compat import lokr_load_warning
     from .init_adapter import preflight_lines
     from .long_prompts import length_report, local_tokenizer
-    from .lycoris_compat import lokr_load_warning
     from .text_cache import text_cache_status
 
     prompts = eval_prompts(config)

@@ -55,7 +55,7 @@ from .distributed import (
 )
 from .ema import EMA
 from .embeddings import attach_tokens, set_training
-from .evaluator import Evaluator, live_eval_due, make_validation, validation_batches
+from .eval.evaluator import Evaluator, live_eval_due, make_validation, validation_batches
 from .export import ExportError
 from .finite import NonFiniteWeightsError
 from .fused_backward import FusedBackward

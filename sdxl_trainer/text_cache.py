@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
     from .config import Config, ModelConfig
     from .data_plan import DatasetPlan
-    from .eval_prompts import EvalPrompt
+    from .eval.eval_prompts import EvalPrompt
     from .precision import PrecisionPlan
 
 CACHE_FORMAT = 1

@@ -46,7 +46,7 @@ def rng_kept() -> Iterator[None]:
     """Whatever a tracker library draws from the global Python, numpy or torch RNG is undone."""
     import torch
 
-    from .evaluation import global_rng_kept
+    from .eval.evaluation import global_rng_kept
 
     with global_rng_kept(torch.device("cpu")):
         yield

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .config import Config
-from .sigma_schedules import ZERO_SNR_LAST_ALPHA_BAR
+from .eval.sigma_schedules import ZERO_SNR_LAST_ALPHA_BAR
 
 if TYPE_CHECKING:
     from diffusers import DDPMScheduler, StableDiffusionXLPipeline
@@ -72,8 +72,8 @@ def heat_inside(heatmap: torch.Tensor, mask: Any) -> float:
 def load_flow_models(config: Config, adapter: str | Path | None = None, device: str | None = None) -> FlowModels:
     """The model as training loads it: `model.*`, with the trained adapter merged in (`adapter`:
     a run's output folder or file), placed by the precision policy on the GPU if there is one."""
-    from .adapter_files import adapter_files, load_adapter_into
     from .diffusion import make_noise_scheduler
+    from .formats.adapter_files import adapter_files, load_adapter_into
     from .models import load_pipeline
     from .precision import place_pipeline, plan_precision
 
@@ -168,7 +168,7 @@ def forward_at(models: FlowModels, sample: dict, timestep: int) -> FlowResult:
     conditioning, autocast, mask and weights as training), without gradients, with what it shows."""
     from .data import collate
     from .diffusion import DrawSettings, LossModels, LossSettings, denoising_step, sample_draws
-    from .evaluation import decode_latents, fp32_vae
+    from .eval.evaluation import decode_latents, fp32_vae
 
     config, pipe, scheduler, device = models.config, models.pipe, models.scheduler, models.device
     batch = collate([sample])

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from sdxl_trainer.adapter_files import AdapterFile, split_key
 from sdxl_trainer.adapter_kinds import ADAPTER_KINDS, FULL_FINE_TUNE, kind_of_module, kind_of_peft_config
 from sdxl_trainer.adapters import attach_adapter, save_diffusers_adapter, text_encoder_target_modules
 from sdxl_trainer.config import AdapterConfig
 from sdxl_trainer.doctor.checks import check_module
-from sdxl_trainer.kohya_format import save_kohya_adapter
+from sdxl_trainer.formats.adapter_files import AdapterFile, split_key
+from sdxl_trainer.formats.kohya_format import save_kohya_adapter
 from tests.helpers import ROOT
 
 

@@ -23,7 +23,7 @@ import extract_adapter
 import resize_adapter
 from sdxl_trainer.adapter_extraction import ExtractError, ExtractOptions, extract, target_layers, write_adapter
 from sdxl_trainer.config import ModelConfig
-from sdxl_trainer.kohya_format import kohya_module_name
+from sdxl_trainer.formats.kohya_format import kohya_module_name
 from sdxl_trainer.lowrank import RankChoice, factorize, factorize_product
 from sdxl_trainer.models import load_pipeline
 from tests.helpers import run_cli
@@ -322,7 +322,7 @@ def test_extract_reads_sdxl_single_files_with_a_config_folder(
     import shutil
 
     from sdxl_trainer.adapter_extraction import load_models
-    from sdxl_trainer.converter import convert
+    from sdxl_trainer.formats.converter import convert
 
     single = convert(models.folder, tmp_path / "tuned.safetensors")
     configs = shutil.copytree(tiny_sdxl_dir, tmp_path / "configs",

@@ -20,8 +20,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import converttosdxl
-from sdxl_trainer.safetensors_stream import DTYPE_NAMES, StreamWriter, TensorSpec
-from sdxl_trainer.sgm_keys import (
+from sdxl_trainer.formats.safetensors_stream import DTYPE_NAMES, StreamWriter, TensorSpec
+from sdxl_trainer.formats.sgm_keys import (
     LOGIT_SCALE_KEY,
     POSITION_IDS_KEY,
     TE1_PREFIX,

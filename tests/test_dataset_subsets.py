@@ -22,7 +22,7 @@ from sdxl_trainer.diffusion import (
     make_noise_scheduler,
     sample_draws,
 )
-from sdxl_trainer.evaluator import validation_batches
+from sdxl_trainer.eval.evaluator import validation_batches
 from sdxl_trainer.latent_cache import LatentCache
 from sdxl_trainer.models import load_pipeline
 from tests.helpers import DATA_DIR, run_cli, tiny_config, write_config

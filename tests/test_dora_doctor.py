@@ -24,7 +24,13 @@ from safetensors.torch import load_file, save_file
 
 import debug_dora_weights
 import fix_dora_weights
-from sdxl_trainer.adapter_files import (
+from sdxl_trainer.doctor import checks
+from sdxl_trainer.doctor.base_weights import BaseWeights
+from sdxl_trainer.doctor.repairs import RepairOptions
+from sdxl_trainer.doctor.report import analyse_file
+from sdxl_trainer.doctor.rewrite import plan_repairs, write_repaired
+from sdxl_trainer.eval.image_checks import check_image
+from sdxl_trainer.formats.adapter_files import (
     KOHYA,
     PEFT,
     AdapterFile,
@@ -36,14 +42,8 @@ from sdxl_trainer.adapter_files import (
     merged_weight,
     split_key,
 )
-from sdxl_trainer.doctor import checks
-from sdxl_trainer.doctor.base_weights import BaseWeights
-from sdxl_trainer.doctor.repairs import RepairOptions
-from sdxl_trainer.doctor.report import analyse_file
-from sdxl_trainer.doctor.rewrite import plan_repairs, write_repaired
-from sdxl_trainer.image_checks import check_image
-from sdxl_trainer.kohya_format import kohya_module_name
-from sdxl_trainer.safetensors_stream import StreamWriter, TensorSpec
+from sdxl_trainer.formats.kohya_format import kohya_module_name
+from sdxl_trainer.formats.safetensors_stream import StreamWriter, TensorSpec
 from tests.helpers import ROOT, run_cli, tiny_config, write_config
 
 TINY = "builtin:tiny-sdxl"

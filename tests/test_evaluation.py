@@ -17,11 +17,11 @@ from diffusers.utils import is_scipy_available
 from PIL import Image
 
 from sdxl_trainer.config import SAMPLER_NAMES, ConfigError, EvalConfig, ModelConfig, validate_config
-from sdxl_trainer.eval_prompts import EvalPrompt, load_prompts
-from sdxl_trainer.evaluation import run_evaluation
-from sdxl_trainer.image_checks import check_image
+from sdxl_trainer.eval.eval_prompts import EvalPrompt, load_prompts
+from sdxl_trainer.eval.evaluation import run_evaluation
+from sdxl_trainer.eval.image_checks import check_image
+from sdxl_trainer.eval.samplers import SAMPLERS, check_sampler, make_eval_scheduler
 from sdxl_trainer.models import load_pipeline
-from sdxl_trainer.samplers import SAMPLERS, check_sampler, make_eval_scheduler
 from sdxl_trainer.training_setup import prepare_trainable
 from tests.helpers import ROOT, tiny_config
 

@@ -22,9 +22,9 @@ from safetensors import safe_open
 import converttosdxl
 from sdxl_trainer.config import ConfigError, validate_config
 from sdxl_trainer.export import ExportError, check_export, export_after_training, merged_copy
-from sdxl_trainer.kohya_format import adapter_layers, kohya_module_name, merged_weight
+from sdxl_trainer.formats.kohya_format import adapter_layers, kohya_module_name, merged_weight
+from sdxl_trainer.formats.sgm_keys import KeyMapError
 from sdxl_trainer.models import load_pipeline
-from sdxl_trainer.sgm_keys import KeyMapError
 from sdxl_trainer.training_setup import Trainable, prepare_trainable
 from tests.helpers import run_cli, tiny_config, write_config
 from tests.test_converter import SDXL_UNET

@@ -18,8 +18,8 @@ from sdxl_trainer.adapter_kinds import ADAPTER_KINDS
 from sdxl_trainer.adapters import save_diffusers_adapter
 from sdxl_trainer.config import ConfigError, validate_config
 from sdxl_trainer.export import export_after_training, merged_copy
+from sdxl_trainer.formats.kohya_format import adapter_layers, kohya_module_name, save_kohya_adapter
 from sdxl_trainer.init_adapter import preflight_lines
-from sdxl_trainer.kohya_format import adapter_layers, kohya_module_name, save_kohya_adapter
 from sdxl_trainer.models import load_pipeline
 from sdxl_trainer.planning import RunPlan
 from sdxl_trainer.precision import plan_precision

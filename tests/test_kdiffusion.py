@@ -14,20 +14,20 @@ import torch
 from PIL import Image
 
 import train_sdxl
-from sdxl_trainer.comfyui_sampling import (
+from sdxl_trainer.config import ConfigError, EvalConfig, ModelConfig
+from sdxl_trainer.eval.comfyui_sampling import (
     denoised_estimate,
     eval_backend,
     sampling_sigmas,
     scaled_input,
     starting_noise_scale,
 )
-from sdxl_trainer.config import ConfigError, EvalConfig, ModelConfig
-from sdxl_trainer.eval_prompts import EvalPrompt
-from sdxl_trainer.evaluation import run_evaluation
-from sdxl_trainer.kdiffusion_samplers import DISCARD_PENULTIMATE_SIGMA, SAMPLERS, sample
+from sdxl_trainer.eval.eval_prompts import EvalPrompt
+from sdxl_trainer.eval.evaluation import run_evaluation
+from sdxl_trainer.eval.kdiffusion_samplers import DISCARD_PENULTIMATE_SIGMA, SAMPLERS, sample
+from sdxl_trainer.eval.samplers import check_eval_sampler
+from sdxl_trainer.eval.sigma_schedules import SCHEDULE_NAMES, SigmaTable, make_sigmas
 from sdxl_trainer.models import load_pipeline
-from sdxl_trainer.samplers import check_eval_sampler
-from sdxl_trainer.sigma_schedules import SCHEDULE_NAMES, SigmaTable, make_sigmas
 from tests.helpers import ROOT
 
 REFERENCE = json.loads((Path(__file__).parent / "reference" / "comfyui_samplers.json").read_text())

@@ -14,8 +14,8 @@ import pytest
 
 import train_sdxl
 from sdxl_trainer.config import load_config
-from sdxl_trainer.eval_prompts import load_prompts
-from sdxl_trainer.evaluation import run_evaluation
+from sdxl_trainer.eval.eval_prompts import load_prompts
+from sdxl_trainer.eval.evaluation import run_evaluation
 from sdxl_trainer.models import load_pipeline
 from sdxl_trainer.world.accuracy import prompt_accuracy
 from tests.helpers import ROOT

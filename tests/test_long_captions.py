@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 from sdxl_trainer.conditioning import encode_prompts, pipeline_prompt_embeds
 from sdxl_trainer.config import ModelConfig, load_config
 from sdxl_trainer.diffusion import LossModels, conditioning
-from sdxl_trainer.eval_prompts import EvalPrompt
-from sdxl_trainer.evaluation import run_evaluation
+from sdxl_trainer.eval.eval_prompts import EvalPrompt
+from sdxl_trainer.eval.evaluation import run_evaluation
 from sdxl_trainer.long_prompts import caption_ids, count_truncated, token_chunks
 from sdxl_trainer.models import load_pipeline, with_components
 from sdxl_trainer.planning import plan_run

@@ -20,7 +20,7 @@ import train_sdxl
 from sdxl_trainer.adapter_kinds import PEFT_WEIGHT_NAME
 from sdxl_trainer.adapters import load_adapter_weights
 from sdxl_trainer.config import validate_config
-from sdxl_trainer.kohya_format import adapter_layers, kohya_module_name
+from sdxl_trainer.formats.kohya_format import adapter_layers, kohya_module_name
 from sdxl_trainer.models import load_pipeline
 from sdxl_trainer.training_setup import prepare_trainable
 from tests.helpers import tiny_config, write_config
@@ -266,7 +266,7 @@ def lycoris_loads(layer) -> bool:
     this peft LoKr layer's kohya tensors into factors of the same shapes."""
     from lycoris.modules import get_module, make_module
 
-    from sdxl_trainer.kohya_format import _lokr_tensors
+    from sdxl_trainer.formats.kohya_format import _lokr_tensors
 
     state = {key: torch.zeros(tensor.shape) for key, tensor in _lokr_tensors("m", layer).items()}
     try:
@@ -290,7 +290,7 @@ def test_the_lokr_load_check_predicts_lycoris_on_every_full_size_sdxl_layer() ->
 
     from sdxl_trainer.adapters import peft_config
     from sdxl_trainer.config import AdapterConfig
-    from sdxl_trainer.lycoris_compat import lycoris_rebuilt_parts, peft_lokr_parts
+    from sdxl_trainer.formats.lycoris_compat import lycoris_rebuilt_parts, peft_lokr_parts
 
     shapes = full_size_shapes()
     assert len(shapes) == 35 and (640, 1920, 3, 3) in shapes
@@ -321,7 +321,7 @@ def test_the_lokr_load_check_predicts_lycoris_on_every_full_size_sdxl_layer() ->
 def test_the_preflight_warns_where_lycoris_cannot_load_the_lokr_file(tmp_path: Path, tiny_sdxl_dir: Path,
                                                                       capsys) -> None:
     from bench.sdxl_arch import sdxl_modules
-    from sdxl_trainer.lycoris_compat import lokr_load_warning
+    from sdxl_trainer.formats.lycoris_compat import lokr_load_warning
 
     full_size = tmp_path / "sdxl"  # full-size SDXL's component configs: all the check reads
     for name, module in sdxl_modules("meta").items():

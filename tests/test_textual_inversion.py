@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 from sdxl_trainer.conditioning import encode_prompts
 from sdxl_trainer.config import Config, ConfigError, ModelConfig, TextualInversionConfig
 from sdxl_trainer.embeddings import add_tokens, save_embedding_files
-from sdxl_trainer.eval_prompts import EvalPrompt
-from sdxl_trainer.evaluation import run_evaluation
+from sdxl_trainer.eval.eval_prompts import EvalPrompt
+from sdxl_trainer.eval.evaluation import run_evaluation
 from sdxl_trainer.long_prompts import caption_ids
 from sdxl_trainer.models import load_pipeline
 from sdxl_trainer.planning import plan_run

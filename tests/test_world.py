@@ -9,7 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from sdxl_trainer.eval_prompts import EvalPrompt
+from sdxl_trainer.eval.eval_prompts import EvalPrompt
 from sdxl_trainer.world.accuracy import prompt_accuracy
 from sdxl_trainer.world.judge import judge, prompt_matches, scene_content
 from sdxl_trainer.world.scenes import (

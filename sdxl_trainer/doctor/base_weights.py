@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..adapter_files import KOHYA, AdapterFile, AdapterModule, find_layer, kohya_name_map
+from ..formats.adapter_files import KOHYA, AdapterFile, AdapterModule, find_layer, kohya_name_map
 
 if TYPE_CHECKING:
     import torch

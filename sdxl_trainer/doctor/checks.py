@@ -7,8 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..adapter_files import KOHYA, AdapterFileError, AdapterModule, canonical_key, channel_norms
 from ..adapter_kinds import ALGORITHMS
+from ..formats.adapter_files import KOHYA, AdapterFileError, AdapterModule, canonical_key, channel_norms
 
 if TYPE_CHECKING:
     import torch

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..adapter_files import AdapterFileError
+from ..formats.adapter_files import AdapterFileError
 from .base_weights import BaseWeights
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..adapter_files import AdapterModule, channel_norms
+from ..formats.adapter_files import AdapterModule, channel_norms
 from .base_weights import BaseWeights, open_adapter
 from .checks import (
     FP16_LIMIT,

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..adapter_files import PEFT, AdapterFile, AdapterModule, channel_norms
 from ..adapter_kinds import kind_of_module
+from ..formats.adapter_files import PEFT, AdapterFile, AdapterModule, channel_norms
 from .base_weights import BaseWeights, open_adapter
 from .checks import NORM_FLOOR, UNUSABLE, Finding, check_module, non_finite
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..adapter_files import PEFT, AdapterFile, AdapterModule, merged_weight
 from ..atomic import atomic_path
+from ..formats.adapter_files import PEFT, AdapterFile, AdapterModule, merged_weight
 from .base_weights import BaseWeights, open_adapter
 from .checks import Finding, check_module
 from .repairs import Repair, RepairOptions, repair_module
@@ -20,7 +20,7 @@ from .repairs import Repair, RepairOptions, repair_module
 if TYPE_CHECKING:
     import torch
 
-    from ..safetensors_stream import TensorSpec
+    from ..formats.safetensors_stream import TensorSpec
 
 
 class VerificationError(RuntimeError):
@@ -53,7 +53,7 @@ class FileRepair:
 
 def plan_repairs(path: Path, options: RepairOptions) -> FileRepair:
     """Run every repair once, keeping only the actions and the output's tensor layout."""
-    from ..safetensors_stream import DTYPE_NAMES, TensorSpec
+    from ..formats.safetensors_stream import DTYPE_NAMES, TensorSpec
 
     repairs, specs, unchanged, kept = {}, [], 0, []
     with open_adapter(path, options.base) as adapter:
@@ -97,7 +97,7 @@ def _with_targets(metadata: dict[str, str], kept: list[AdapterModule]) -> dict[s
 def write_repaired(plan: FileRepair, destination: Path, options: RepairOptions, backup: Path | None) -> None:
     """Write the repaired file next to `destination`, verify it, then rename it into place (after
     copying the original to `backup` for --in-place)."""
-    from ..safetensors_stream import StreamWriter
+    from ..formats.safetensors_stream import StreamWriter
 
     with atomic_path(destination) as tmp:
         with open_adapter(plan.path, options.base) as adapter, tmp.open("wb") as handle, \

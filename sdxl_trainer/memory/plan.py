@@ -341,7 +341,7 @@ def _trace_eval(pipe: StableDiffusionXLPipeline, traced: PrecisionPlan, shape: S
     """One eval image at the largest eval size: the UNet on the CFG batch (the prompt and its
     negative), then the fp32 VAE decode, with the training state still alive."""
     from ..conditioning import add_time_ids
-    from ..evaluation import fp32_vae
+    from ..eval.evaluation import fp32_vae
 
     height, width = shape.eval_size
     live.reset_peak()

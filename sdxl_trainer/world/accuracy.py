@@ -11,7 +11,7 @@ from pathlib import Path
 
 from PIL import Image
 
-from ..eval_prompts import EvalPrompt
+from ..eval.eval_prompts import EvalPrompt
 from .judge import judge, scene_content
 from .scenes import parse_caption
 

@@ -23,14 +23,14 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .config import ConfigError, closest
+from ..config import ConfigError, closest
 from .kdiffusion_samplers import DISCARD_PENULTIMATE_SIGMA, SAMPLERS, sample
 from .sigma_schedules import SCHEDULE_NAMES, SigmaTable, make_sigmas
 
 if TYPE_CHECKING:
     from diffusers import StableDiffusionXLPipeline
 
-    from .config import EvalConfig
+    from ..config import EvalConfig
     from .eval_prompts import EvalPrompt
 
 # The diffusers backend's short names for two of ComfyUI's samplers.
@@ -93,8 +93,8 @@ def starting_noise_scale(sigma_start: float, table: SigmaTable) -> float:
 def comfyui_latents(pipe: StableDiffusionXLPipeline, eval_config: EvalConfig, prompt: EvalPrompt) -> torch.Tensor:
     """The final latents for one prompt (undecoded), sampled as ComfyUI does; a prompt read past 77
     tokens is encoded in chunks as ComfyUI encodes a long prompt (long_prompts.py)."""
-    from .conditioning import pipeline_prompt_embeds
-    from .long_prompts import CHUNK_TOKENS
+    from ..conditioning import pipeline_prompt_embeds
+    from ..long_prompts import CHUNK_TOKENS
 
     unet, device = pipe.unet, pipe.unet.device
     table = SigmaTable.from_scheduler_config(pipe.scheduler.config)

@@ -69,7 +69,7 @@ def convert(
     v_prediction, zero_snr = _prediction(scheduler, model_path)
 
     # Heavy imports only now, so that --help and usage errors stay instant.
-    from .atomic import atomic_path
+    from ..atomic import atomic_path
     from .safetensors_stream import StreamWriter, TensorSpec
     from .tensor_reader import TensorReader
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 import inspect
 from typing import TYPE_CHECKING, Any
 
-from .config import ConfigError, closest
+from ..config import ConfigError, closest
 
 if TYPE_CHECKING:
     from diffusers import SchedulerMixin
 
-    from .config import EvalConfig
+    from ..config import EvalConfig
 
 # sampler name -> (diffusers scheduler class, the settings that make it that sampler). The settings
 # are explicit even where they equal the class default: the base model's scheduler config is the

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .config import AdapterConfig, Config
+    from ..config import AdapterConfig, Config
 
 Shape = tuple[int, ...]
 # Factors the warning proposes instead, in order of preference (each is exact on SDXL base).
@@ -130,8 +130,8 @@ def adapted_shapes(config: Config) -> dict[str, Shape]:
     from diffusers import UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
-    from .adapters import text_encoder_target_modules, unet_target_modules
-    from .sdxl_base import CLIP_BIGG, CLIP_L, UNET
+    from ..adapters import text_encoder_target_modules, unet_target_modules
+    from ..sdxl_base import CLIP_BIGG, CLIP_L, UNET
 
     folder = config_folder(config)
     trained = {"text_encoder": config.model.train_text_encoder_1, "text_encoder_2": config.model.train_text_encoder_2}
@@ -155,8 +155,8 @@ def adapted_shapes(config: Config) -> dict[str, Shape]:
 def config_folder(config: Config) -> Path | None:
     """A local pipeline folder with the model's component configs, or None where only SDXL base's
     shapes can be assumed (a single file without `model.config_dir`, a hub model not downloaded)."""
-    from .models import resolve_source
-    from .tiny_model import tiny_sdxl_path
+    from ..models import resolve_source
+    from ..tiny_model import tiny_sdxl_path
 
     source = resolve_source(config.model.id)
     if source.kind == "builtin":

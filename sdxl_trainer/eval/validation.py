@@ -7,8 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .diffusion import Draws
-from .module_modes import eval_mode
+from ..diffusion import Draws
+from ..module_modes import eval_mode
 
 if TYPE_CHECKING:
     import torch

@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .config import Config
+from ..config import Config
 from .eval_prompts import EvalPrompt, load_prompts
 from .evaluation import run_evaluation
 from .validation import ValidationSet, make_validation_set, validation_loss
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     import torch
     from diffusers import StableDiffusionXLPipeline
 
-    from .data_plan import DatasetPlan
+    from ..data_plan import DatasetPlan
 
 VALIDATION_BATCHES = 4  # of the training data, when no images are held out
 HELD_OUT_BATCHES = 8
@@ -27,7 +27,7 @@ HELD_OUT_BATCHES = 8
 
 def eval_prompts(config: Config) -> list[EvalPrompt]:
     """The eval prompts, checked at config time (a ConfigError names the file and the entry)."""
-    from .config import ConfigError
+    from ..config import ConfigError
     from .samplers import check_eval_sampler
 
     evaluation = config.eval
@@ -86,7 +86,7 @@ class Evaluator:
 
     def _render(self, pipe: StableDiffusionXLPipeline, folder: Path, tag: str, step: int, max_batches: int | None,
                 device=None):
-        from .models import with_components
+        from ..models import with_components
 
         if self.stand_ins:
             pipe = with_components(pipe, **self.stand_ins)
@@ -106,7 +106,7 @@ class Evaluator:
     def _judge(self, images: list[Path], tag: str, step: int) -> dict[str, dict[str, float]]:
         """Prompt accuracy per group and per part of the prompt, printed and logged as
         `eval/<tag>/accuracy/<group>` (every part right) and `…/<group>/<part>`."""
-        from .world.accuracy import PARTS, prompt_accuracy
+        from ..world.accuracy import PARTS, prompt_accuracy
 
         groups = prompt_accuracy(self.prompts[:len(images)], images)
         if groups:
@@ -134,9 +134,9 @@ def make_validation(batches: list[dict], num_train_timesteps: int, seed: int) ->
 def validation_batches(data_plan: DatasetPlan, config: Config, seed: int, cache) -> list[dict]:
     """The held-out images (at most `HELD_OUT_BATCHES` batches of one bucket each) or, without
     any, the first few batches of the training data; without augmentation, always the same."""
-    from .bucket_sampler import BucketBatchSampler
-    from .data import ImageCaptionDataset, collate
-    from .data_plan import Sample
+    from ..bucket_sampler import BucketBatchSampler
+    from ..data import ImageCaptionDataset, collate
+    from ..data_plan import Sample
 
     if data_plan.validation:
         samples = data_plan.validation

@@ -20,8 +20,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .adapter_kinds import kind_of_peft_config
-from .atomic import atomic_path
+from ..adapter_kinds import kind_of_peft_config
+from ..atomic import atomic_path
 from .sgm_keys import unet_sgm_key
 
 if TYPE_CHECKING:

@@ -23,18 +23,18 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 from PIL import Image, ImageDraw
 
-from .atomic import atomic_dir
+from ..atomic import atomic_dir
+from ..module_modes import eval_mode
 from .comfyui_sampling import comfyui_latents, eval_backend
 from .eval_prompts import EvalPrompt
 from .image_checks import LIKELY_CAUSES, check_image
-from .module_modes import eval_mode
 from .samplers import check_eval_sampler, make_eval_scheduler
 
 if TYPE_CHECKING:
     import torch
     from diffusers import AutoencoderKL, StableDiffusionXLPipeline
 
-    from .config import EvalConfig
+    from ..config import EvalConfig
 
 GRID_NAME = "grid.png"
 INVALID_SUFFIX = "_INVALID"
@@ -130,8 +130,8 @@ def _diffusers_latents(pipe: StableDiffusionXLPipeline, eval_config: EvalConfig,
     read past 77 tokens is encoded in chunks, as in training (`data.max_token_length`)."""
     import torch
 
-    from .conditioning import pipeline_prompt_embeds
-    from .long_prompts import CHUNK_TOKENS
+    from ..conditioning import pipeline_prompt_embeds
+    from ..long_prompts import CHUNK_TOKENS
 
     if prompt.max_tokens == CHUNK_TOKENS:
         # None: SDXL's zero embedding for "no negative"

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .adapter_kinds import ALGORITHMS, DIFFUSERS_WEIGHT_NAME, WEIGHT_FILES, module_algorithm
+from ..adapter_kinds import ALGORITHMS, DIFFUSERS_WEIGHT_NAME, WEIGHT_FILES, module_algorithm
 from .kohya_format import PREFIXES, kohya_module_name
 from .kohya_format import merged_weight as kohya_merged_weight
 from .tensor_reader import TensorReader
@@ -331,7 +331,7 @@ def adapter_files(path: str | Path) -> tuple[list[Path], str]:
     found = _trainer_files(path)
     if found:
         return found, f"the trainer's adapter file(s) in folder {path}"
-    from .checkpointing import list_checkpoints
+    from ..checkpointing import list_checkpoints
 
     for checkpoint in reversed(list_checkpoints(path / "checkpoints")):
         found = _trainer_files(checkpoint)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .config import BUCKET_KEY, ConfigError, closest
+from ..config import BUCKET_KEY, ConfigError, closest
 
 SIZE_MULTIPLE = 8  # the VAE's downsampling factor: latents need whole pixels
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
