@@ -20,8 +20,6 @@ Writes bench/results/adapters.{json,md}.
 from __future__ import annotations
 
 import copy
-import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROOT, bench_args, quiet_env, write_results
+from bench.common import ROOT, bench_args, train_quickstart, write_results
 
 RANKS = (4, 8, 16, 32)
 JUDGED_RANKS = (8, 32)
@@ -49,12 +47,7 @@ def train(name: str, overrides: dict[str, Any], work: Path, steps: int) -> Path:
                 "eval.live.enabled": False, "eval.final.enabled": False, "export.save_single_file": False,
                 "data.latent_cache.cache_dir": str(work / "latents"), "data.text_cache.cache_dir": str(work / "text"),
                 "data.scan_cache_dir": str(work / "scan"), **overrides}
-    command = [sys.executable, str(ROOT / "train_sdxl.py"), "--config", str(ROOT / "configs" / "quickstart.json")]
-    for key, value in settings.items():
-        command += ["--set", f"{key}={json.dumps(value)}"]
-    result = subprocess.run(command, cwd=ROOT, env=quiet_env(), capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"{name}: train_sdxl.py failed:\n{result.stderr[-3000:]}")
+    train_quickstart(name, settings)
     return work / "runs" / name
 
 

@@ -19,7 +19,6 @@ docs/images/quickstart.png (the quickstart's concept prompts before, a third of 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -30,7 +29,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROOT, bench_args, quiet_env, write_results
+from bench.common import ROOT, bench_args, train_quickstart, write_results
 from sdxl_trainer.world.scenes import WorldSettings, caption, render, scene_for_seed
 
 EVAL_EVERY = 25
@@ -70,12 +69,7 @@ def train(name: str, overrides: dict[str, Any], work: Path, steps: int) -> dict[
                 "eval.live.at_start": True, "data.latent_cache.cache_dir": str(work / "latents"),
                 "data.text_cache.cache_dir": str(work / "text"), "data.scan_cache_dir": str(work / "scan"),
                 "export.save_single_file": False, **overrides}
-    command = [sys.executable, str(ROOT / "train_sdxl.py"), "--config", str(ROOT / "configs" / "quickstart.json")]
-    for key, value in settings.items():
-        command += ["--set", f"{key}={json.dumps(value)}"]
-    result = subprocess.run(command, cwd=ROOT, env=quiet_env(), capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"{name}: train_sdxl.py failed:\n{result.stderr[-3000:]}")
+    train_quickstart(name, settings)
     output = work / "runs" / settings["run.name"]
     return {"evals": json.loads((output / "run_summary.json").read_text())["eval"], "output": output}
 

@@ -116,3 +116,14 @@ def _cell(value: Any) -> str:
     if value is None:
         return ""
     return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def train_quickstart(name: str, settings: dict[str, Any]) -> None:
+    """`train_sdxl.py` on configs/quickstart.json with `settings` as `--set` overrides, in a fresh
+    interpreter; a failure raises with the end of its stderr."""
+    command = [sys.executable, str(ROOT / "train_sdxl.py"), "--config", str(ROOT / "configs" / "quickstart.json")]
+    for key, value in settings.items():
+        command += ["--set", f"{key}={json.dumps(value)}"]
+    result = subprocess.run(command, cwd=ROOT, env=quiet_env(), capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{name}: train_sdxl.py failed:\n{result.stderr[-3000:]}")
