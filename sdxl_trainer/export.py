@@ -3,7 +3,8 @@
 
 Adapter runs write `pytorch_lora_weights.safetensors` (diffusers/peft) and
 `<run.name>_kohya.safetensors` (kohya/LyCORIS). The single file holds the trained model: the
-output folder of a full fine-tune, or the base with the adapter merged (`export.merge_adapter`).
+output folder of a full fine-tune, or the base with the adapter merged (`export.merge_adapter`);
+over a quantized base (`model.base_quantization`) that base is re-read in full precision first.
 An adapter run without merging writes no single file: its base model is unchanged, and the
 adapter files are what it produced.
 """
@@ -82,7 +83,12 @@ def export_after_training(config: Config, pipe: StableDiffusionXLPipeline, train
         elif config.export.merge_adapter:
             with tempfile.TemporaryDirectory(prefix=".merged-", dir=config.output_dir) as tmp:
                 folder = Path(tmp) / config.run.name  # converters title the file after the folder
-                save_merged_pipeline(pipe, trainable, folder)
+                if config.model.base_quantization == "none":
+                    save_merged_pipeline(pipe, trainable.modules, folder)
+                else:
+                    from .quantized_base import full_precision_pipeline
+
+                    save_merged_pipeline(*full_precision_pipeline(config, pipe, trainable.modules), folder)
                 written.append(convert(config, folder))
         else:
             print("export: no single file, because export.merge_adapter is false and the base model is "
@@ -104,9 +110,9 @@ def save_adapter_files(config: Config, trainable: Trainable) -> list[Path]:
     return written
 
 
-def save_merged_pipeline(pipe: StableDiffusionXLPipeline, trainable: Trainable, folder: Path) -> None:
-    """Save `pipe` as a diffusers folder whose trained components have their adapters merged."""
-    merged = {name: merged_copy(module) for name, module in trainable.modules.items()}
+def save_merged_pipeline(pipe: StableDiffusionXLPipeline, trained: dict[str, torch.nn.Module], folder: Path) -> None:
+    """Save `pipe` as a diffusers folder with the `trained` components, their adapters merged."""
+    merged = {name: merged_copy(module) for name, module in trained.items()}
     with reported_write_failures(folder):
         with_components(pipe, **merged).save_pretrained(folder, safe_serialization=True)
 

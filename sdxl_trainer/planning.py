@@ -36,10 +36,12 @@ class RunPlan:
 def check_inputs(config: Config) -> None:
     """Problems that need no model weights: unbuilt options, missing paths and packages."""
     from .attention import check_attention
+    from .device_types import run_device_type
     from .distributed import check_launch
     from .export import check_export
     from .models import check_model, resolve_source
     from .optimizers import check_optimizer
+    from .quantized_base import check_quantization
 
     unbuilt = unbuilt_options(config)
     if unbuilt:
@@ -49,6 +51,7 @@ def check_inputs(config: Config) -> None:
     check_launch(config, os.environ)
     check_model(config.model)
     check_optimizer(config.optimizer)
+    check_quantization(config, run_device_type())
     check_export(config)
     if config.model.vae:
         resolve_source(config.model.vae, key="model.vae")
