@@ -273,7 +273,7 @@ def _compute_dtype(x: torch.Tensor, stored_as: torch.dtype) -> torch.dtype:
 
 
 def _cast(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    return None if tensor is None or tensor.dtype == dtype else tensor.to(dtype)
+    return tensor if tensor is None or tensor.dtype == dtype else tensor.to(dtype)
 
 
 def full_precision_pipeline(config: Config, pipe: Any, trained: dict[str, torch.nn.Module]) -> tuple[Any, dict]:
