@@ -98,3 +98,14 @@ def test_memory_benchmark_smoke(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
     assert row["run"] == "DoRA rank 4 (quickstart)"
     assert_positive(row, "planned_MB", "measured_MB")
     assert 0.95 <= row["measured_over_planned"] <= 1.05
+
+
+@pytest.mark.slow
+def test_quantized_base_benchmark_smoke(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
+    """An fp8 base against its plan and the full-precision base's step (bench/bench_quantized_base.py --smoke)."""
+    run_bench("bench_quantized_base.py", tmp_path)
+    rows = rows_of(tmp_path / "quantized_base_smoke.json")
+    assert [row["base"] for row in rows] == ["none", "float8_e4m3fn"]
+    assert_positive(rows[1], "planned_MB", "measured_MB", "step_s")
+    assert 0.95 <= rows[1]["measured_over_planned"] <= 1.05
+    assert rows[1]["unet_weights_MB"] < rows[0]["unet_weights_MB"] / 3  # fp8 against fp32, biases and norms aside
