@@ -137,13 +137,13 @@ def anchor_rows() -> list[dict[str, Any]]:
     return rows
 
 
-def learning_rows() -> list[dict[str, Any]]:
+def learning_rows(bases: list[str]) -> list[dict[str, Any]]:
     """The learning benchmark's quickstart run on each base (its own runs, side by side)."""
     from bench.bench_learning import row_of, train
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for base in ("none", "float8_e4m3fn", "nf4"):
+        for base in bases:
             result = train(f"quickstart {base}", {"model.base_quantization": base}, Path(tmp), 150)
             rows.append({"base": base} | row_of(f"DoRA rank 4, {base} base", result["evals"]))
             print(rows[-1], flush=True)
@@ -167,12 +167,14 @@ NOTES = {
 def main(argv: list[str] | None = None) -> int:
     def options(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
+        parser.add_argument("--learning-bases", nargs="+", choices=BASES, default=["none", "float8_e4m3fn", "nf4"])
 
     args = bench_args(__doc__.splitlines()[0], argv, options)
     if args.smoke:
         write_results("quantized_base_smoke", tiny_rows(smoke=True), "one tiny step (smoke test)", args.results_dir)
         return 0
-    builders = {"tiny": lambda: tiny_rows(False), "anchors": anchor_rows, "learning": learning_rows}
+    builders = {"tiny": lambda: tiny_rows(False), "anchors": anchor_rows,
+                "learning": lambda: learning_rows(args.learning_bases)}
     for section in args.sections:
         write_results(f"quantized_base_{section}", builders[section](), NOTES[section], args.results_dir)
     return 0

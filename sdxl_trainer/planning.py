@@ -36,7 +36,6 @@ class RunPlan:
 def check_inputs(config: Config) -> None:
     """Problems that need no model weights: unbuilt options, missing paths and packages."""
     from .attention import check_attention
-    from .device_types import run_device_type
     from .distributed import check_launch
     from .export import check_export
     from .models import check_model, resolve_source
@@ -51,7 +50,7 @@ def check_inputs(config: Config) -> None:
     check_launch(config, os.environ)
     check_model(config.model)
     check_optimizer(config.optimizer)
-    check_quantization(config, run_device_type())
+    check_quantization(config)
     check_export(config)
     if config.model.vae:
         resolve_source(config.model.vae, key="model.vae")

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .config import ConfigError
-from .device_types import autocast_device_type
+from .device_types import autocast_device_type, run_device_type
 
 if TYPE_CHECKING:
     from .config import Config
@@ -48,12 +48,14 @@ def quantized_components(config: Config) -> tuple[str, ...]:
     return ("unet", "text_encoder", "text_encoder_2") if model.base_quantization_text_encoders else ("unet",)
 
 
-def check_quantization(config: Config, device_type: str) -> None:
+def check_quantization(config: Config, device_type: str | None = None) -> None:
     """Refuse, before any weight is loaded, what cannot hold: a full fine-tune of a quantized
-    component, a device the format does not run on, a format the installed library lacks."""
+    component, a device the format does not run on (`device_type`, by default the run's), a
+    format the installed library lacks."""
     form = config.model.base_quantization
     if form == "none":
         return
+    device_type = device_type or run_device_type()
     key = "model.base_quantization"
     fully_trained = {"unet": True, "text_encoder": config.model.train_text_encoder_1,
                      "text_encoder_2": config.model.train_text_encoder_2}
