@@ -62,7 +62,8 @@ def identity(config: Config) -> dict[str, Any]:
         "adapter.targets": adapter.targets, "adapter.conv_rank": adapter.conv_rank,
         "adapter.conv_alpha": adapter.conv_alpha, "precision": config.precision,
         "optimizer.type": config.optimizer.type,
-    } | {f"adapter.{key}": getattr(adapter, key) for key in own_options} | inversion_identity(config)
+    } | {f"adapter.{key}": getattr(adapter, key) for key in own_options} | inversion_identity(config) \
+        | quantization_settings(config)
 
 
 def inversion_identity(config: Config) -> dict[str, Any]:
@@ -73,6 +74,14 @@ def inversion_identity(config: Config) -> dict[str, Any]:
         return {}
     return {"textual_inversion.tokens": [new.model_dump() for new in inversion.tokens],
             "textual_inversion.train_adapter": inversion.train_adapter}
+
+
+def quantization_settings(config: Config) -> dict[str, Any]:
+    """The quantized base's keys, where it is on (states saved before them still match)."""
+    if config.model.base_quantization == "none":
+        return {}
+    return {"model.base_quantization": config.model.base_quantization,
+            "model.base_quantization_text_encoders": config.model.base_quantization_text_encoders}
 
 
 def soft_settings(config: Config, data_plan, total_steps: int) -> dict[str, Any]:

@@ -86,6 +86,17 @@ class ModelConfig(Section):
         description="Storage dtype of fully trained weights; `bf16` uses stochastic rounding in the "
         "optimizer step.",
     )
+    base_quantization: Literal["none", "float8_e4m3fn", "int8", "nf4"] = Field(
+        "none",
+        description="Adapter runs: store the frozen base weights of the UNet in fewer bits to fit smaller GPUs "
+        "(docs/memory.md, 'Smaller GPUs: a quantized base'). `float8_e4m3fn`: torch's fp8, 1 byte a weight, upcast "
+        "to the compute dtype layer by layer (Linear and Conv2d); `int8` (LLM.int8) and `nf4` (4-bit NormalFloat, "
+        "about 0.56 byte a weight): bitsandbytes' Linear layers. Refused with a full fine-tune.",
+    )
+    base_quantization_text_encoders: bool = Field(
+        False, description="Quantize the text encoders as `model.base_quantization` says too (their base weights; "
+        "refused when one is fully fine-tuned).",
+    )
 
 
 # ------------------------------------------------------------------------------------- adapter

@@ -285,7 +285,7 @@ def scaled_latents(vae: AutoencoderKL, batch: dict, posterior_noise: torch.Tenso
     latent cache, or encoded now in fp32 without autocast and sampled with `posterior_noise`."""
     import torch
 
-    from .precision import autocast_device_type
+    from .device_types import autocast_device_type
 
     if "latents" in batch:  # from the latent cache: the VAE encoder never runs
         latents = batch["latents"].to(device, torch.float32)

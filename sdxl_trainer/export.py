@@ -3,7 +3,8 @@
 
 Adapter runs write `pytorch_lora_weights.safetensors` (diffusers/peft) and
 `<run.name>_kohya.safetensors` (kohya/LyCORIS). The single file holds the trained model: the
-output folder of a full fine-tune, or the base with the adapter merged (`export.merge_adapter`).
+output folder of a full fine-tune, or the base with the adapter merged (`export.merge_adapter`);
+over a quantized base (`model.base_quantization`) that base is re-read in full precision first.
 An adapter run without merging writes no single file: its base model is unchanged, and the
 adapter files are what it produced.
 """
@@ -73,7 +74,7 @@ def export_after_training(config: Config, pipe: StableDiffusionXLPipeline, train
     Call it once, after the final weights are saved (a full fine-tune converts the pipeline
     folder in `output_dir`). The training modules are left as they are.
     """
-    from .embeddings import save_embedding_files
+    from .embeddings import plain_embeddings, save_embedding_files
 
     check_export(config)
     check_finite(trainable)
@@ -89,9 +90,16 @@ def export_after_training(config: Config, pipe: StableDiffusionXLPipeline, train
         if not trainable.is_adapter:
             written.append(convert(config, config.output_dir))
         elif config.export.merge_adapter:
-            with tempfile.TemporaryDirectory(prefix=".merged-", dir=config.output_dir) as tmp:
+            # The merged file holds the base vocabulary: new tokens go in the embedding files.
+            with (tempfile.TemporaryDirectory(prefix=".merged-", dir=config.output_dir) as tmp,
+                  plain_embeddings(pipe, trainable.tokens)):
                 folder = Path(tmp) / config.run.name  # converters title the file after the folder
-                save_merged_pipeline(pipe, trainable, folder)
+                if config.model.base_quantization == "none":
+                    save_merged_pipeline(pipe, trainable.modules, folder)
+                else:
+                    from .quantized_base import full_precision_pipeline
+
+                    save_merged_pipeline(*full_precision_pipeline(config, pipe, trainable.modules), folder)
                 written.append(convert(config, folder))
         else:
             print("export: no single file, because export.merge_adapter is false and the base model is "
@@ -113,14 +121,11 @@ def save_adapter_files(config: Config, trainable: Trainable) -> list[Path]:
     return written
 
 
-def save_merged_pipeline(pipe: StableDiffusionXLPipeline, trainable: Trainable, folder: Path) -> None:
-    """Save `pipe` as a diffusers folder whose trained components have their adapters merged."""
-    from .embeddings import plain_embeddings
-
-    with plain_embeddings(pipe, trainable.tokens):
-        merged = {name: merged_copy(module) for name, module in trainable.modules.items()}
-        with reported_write_failures(folder):
-            with_components(pipe, **merged).save_pretrained(folder, safe_serialization=True)
+def save_merged_pipeline(pipe: StableDiffusionXLPipeline, trained: dict[str, torch.nn.Module], folder: Path) -> None:
+    """Save `pipe` as a diffusers folder with the `trained` components, their adapters merged."""
+    merged = {name: merged_copy(module) for name, module in trained.items()}
+    with reported_write_failures(folder):
+        with_components(pipe, **merged).save_pretrained(folder, safe_serialization=True)
 
 
 def merged_copy(module: torch.nn.Module) -> torch.nn.Module:

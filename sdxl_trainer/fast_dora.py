@@ -22,8 +22,9 @@ same gradients as with peft, to float rounding.
 
 Only the variant's `forward` changes: peft's layers, parameters, state-dict keys, initialisation,
 merging and unmerging stay peft's, so saving, loading, exports, EMA and DDP see the same model.
-Layers where peft's DoRA takes another path (adapter dropout, quantized or offloaded weights) keep
-peft's forward.
+Layers where peft's DoRA takes another path (adapter dropout, bitsandbytes-quantized or offloaded
+weights) keep peft's forward. An fp8 base layer (quantized_base.py) is fused: its `weight` is the
+upcast weight its forward uses, so the norm here reads exactly that.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ import torch
 from peft.tuners.lora import variants
 from peft.tuners.lora.layer import LoraLayer
 
-from .precision import autocast_device_type
+from .device_types import autocast_device_type
+from .quantized_base import is_upcast_layer
 
 # Linear layers with at most this many weights use `merged_forward` in fp32: measured on the tiny
 # model's CPU step (bench/bench_dora.py), where its few ops beat the branch form's many small ones.
@@ -154,15 +156,15 @@ FAST_VARIANTS: dict[type, type] = {
 
 def fusable(layer: LoraLayer, adapter: str) -> bool:
     """Whether `dora_forward` is peft's function for this layer: peft takes another path with
-    adapter dropout, dequantizes quantized weights, may offload to a GPU, and folds a lora_B bias
+    adapter dropout, dequantizes bitsandbytes weights, may offload to a GPU, and folds a lora_B bias
     into its norm; grouped convolutions have a B of another shape."""
     base = layer.base_layer
     return (
         isinstance(layer.lora_dropout[adapter], torch.nn.Identity)
         and not layer.ephemeral_gpu_offload
         and not getattr(layer, "fan_in_fan_out", False)
-        and type(base) in (torch.nn.Linear, torch.nn.Conv2d)
-        and type(base.weight) is torch.nn.Parameter
+        and (is_upcast_layer(base) or (type(base) in (torch.nn.Linear, torch.nn.Conv2d)
+                                        and type(base.weight) is torch.nn.Parameter))
         and layer.lora_B[adapter].bias is None
         and getattr(base, "groups", 1) == 1
     )

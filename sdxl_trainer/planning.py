@@ -40,6 +40,7 @@ def check_inputs(config: Config) -> None:
     from .export import check_export
     from .models import check_model, resolve_source
     from .optimizers import check_optimizer
+    from .quantized_base import check_quantization
     from .trackers import check_trackers
 
     unbuilt = unbuilt_options(config)
@@ -50,6 +51,7 @@ def check_inputs(config: Config) -> None:
     check_launch(config, os.environ)
     check_model(config.model)
     check_optimizer(config.optimizer)
+    check_quantization(config)
     check_export(config)
     check_trackers(config)
     if config.model.vae:

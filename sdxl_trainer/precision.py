@@ -43,6 +43,13 @@ FP16_DORA_WARNING = (
 class ComponentPlan:
     storage: str  # dtype of the frozen weights ("fp32", "bf16", "fp16")
     trained: str | None  # dtype of trained parameters, None when the component is frozen
+    quantized: str | None = None  # `model.base_quantization` of its base layers, None when not quantized
+
+    @property
+    def stored(self) -> str:
+        """The table's weights column: e.g. `fp8+bf16` (the quantized layers, then the rest)."""
+        short = {"float8_e4m3fn": "fp8"}.get(self.quantized, self.quantized)
+        return f"{short}+{self.storage}" if self.quantized else self.storage
 
 
 @dataclass(frozen=True)
@@ -72,23 +79,14 @@ class PrecisionPlan:
     def table(self) -> str:
         lines = [f"precision: compute {self.compute} on {self.device}"
                  + (" with a grad scaler" if self.uses_grad_scaler else "") + "; loss in fp32",
-                 "  component        weights  trained  compute  during steps"]
+                 "  component        weights   trained  compute  during steps"]
         for name, plan in self.components.items():
             compute = "fp32" if name == "vae" else self.compute
             place = "cpu (text cache)" if name in self.cached else self.device
             if name in self.cached and self.live_tokens:
                 place = f"{self.device} (text cache; captions with new tokens live)"
-            lines.append(f"  {name:<16} {plan.storage:<8} {plan.trained or '-':<8} {compute:<8} {place}")
+            lines.append(f"  {name:<16} {plan.stored:<9} {plan.trained or '-':<8} {compute:<8} {place}")
         return "\n".join(lines + [f"  warning: {warning}" for warning in self.warnings])
-
-
-def autocast_device_type(device) -> str:
-    """The device type whose autocast applies to tensors on `device`: its own, or the CPU's for the
-    meta device, on which the memory plan traces a step inside a CPU autocast region."""
-    import torch
-
-    device_type = torch.device(device).type
-    return "cpu" if device_type == "meta" else device_type
 
 
 def cached_encoders(config: Config) -> tuple[str, ...]:
@@ -128,7 +126,10 @@ def plan_precision(config: Config, device: str, bf16_ok: bool | None = None) -> 
     if compute == "fp16" and kind and kind.fp16_nan_risk:
         warnings.append(FP16_DORA_WARNING)
 
+    from .quantized_base import quantized_components
+
     full = config.adapter.type == "none"
+    quantized = quantized_components(config)
     trained_dtype = config.model.weights_dtype if full else "fp32"
     trained = {"unet": True, "text_encoder": config.model.train_text_encoder_1,
                "text_encoder_2": config.model.train_text_encoder_2}
@@ -137,7 +138,8 @@ def plan_precision(config: Config, device: str, bf16_ok: bool | None = None) -> 
         if is_trained and full:
             components[name] = ComponentPlan(trained_dtype, trained_dtype)
         else:
-            components[name] = ComponentPlan(compute, "fp32" if is_trained else None)
+            components[name] = ComponentPlan(compute, "fp32" if is_trained else None,
+                                             config.model.base_quantization if name in quantized else None)
     vae_storage = "fp16" if compute == "fp16" and config.model.vae_fp16_safe else "fp32"
     components["vae"] = ComponentPlan(vae_storage, None)
     return PrecisionPlan(device, compute, components, tuple(warnings), cached_encoders(config),
@@ -145,8 +147,11 @@ def plan_precision(config: Config, device: str, bf16_ok: bool | None = None) -> 
 
 
 def place_pipeline(pipe, plan: PrecisionPlan, device) -> None:
-    """Cast every component's weights to its planned storage dtype and move it to the device."""
+    """Cast every component's weights to its planned storage dtype, quantize the planned base
+    layers (before the move: a full-precision copy never reaches the device), move it there."""
     from diffusers.utils import logging as diffusers_logging
+
+    from .quantized_base import quantize_components
 
     verbosity = diffusers_logging.get_verbosity()
     # diffusers warns about "modules that should be kept in float32" on every cast, even when the
@@ -157,6 +162,9 @@ def place_pipeline(pipe, plan: PrecisionPlan, device) -> None:
             module = getattr(pipe, name)
             if module.dtype != plan.torch_dtype(component.storage):
                 module.to(plan.torch_dtype(component.storage))
+        quantized = tuple(name for name, component in plan.components.items() if component.quantized)
+        if quantized:
+            quantize_components(pipe, quantized, plan.components[quantized[0]].quantized, device)
         # (diffusers also warns that fp16 pipelines cannot run on the CPU: our CPU fp16 runs
         # autocast; frozen fp16 weights are only multiplied inside autocast regions.)
         pipe.to(device)
@@ -201,14 +209,17 @@ def audit(pipe, plan: PrecisionPlan, adapter: bool) -> dict[str, int]:
 
     Trained tensors are the adapter's (those of peft's tuner layers, `adapter_tensor_ids`) in
     adapter runs, and the parameters that require gradients of trained components in full runs;
-    everything else must be in its component's storage dtype. Returns how many tensors were
-    checked and how many of them were trained ones.
+    quantized base weights keep their own dtype (quantized_base.py); everything else must be in its
+    component's storage dtype. Returns how many tensors were checked and how many were trained.
     """
+    from .quantized_base import quantized_tensor_ids
+
     problems, counts = [], {"checked": 0, "trained": 0}
     for name, component in plan.components.items():
         module = getattr(pipe, name)
         storage = plan.torch_dtype(component.storage)
         adapter_ids = adapter_tensor_ids(module) if adapter else set()
+        quantized_ids = quantized_tensor_ids(module)
         for tensor_name, tensor in [*module.named_parameters(), *module.named_buffers()]:
             if not tensor.is_floating_point():
                 continue
@@ -219,6 +230,7 @@ def audit(pipe, plan: PrecisionPlan, adapter: bool) -> dict[str, int]:
             counts["checked"] += 1
             counts["trained"] += bool(trained)
             expected = plan.torch_dtype(component.trained) if trained else storage
+            expected = quantized_ids.get(id(tensor), expected)
             if tensor.dtype != expected:
                 problems.append(f"{name}.{tensor_name} is {str(tensor.dtype).removeprefix('torch.')}, "
                                 f"planned {str(expected).removeprefix('torch.')}")

@@ -113,3 +113,14 @@ def test_adapter_benchmark_smoke(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
         assert 0 < adapters[("LoRA extracted", rank)]["update_error"] < 1
     assert 0 < adapters[("DoRA rank 32 resized to 8", 8)]["merged_weight_error"] < 1
     assert all(0.0 <= row["concept"] <= 1.0 for row in adapters.values() if row["concept"] is not None)
+
+
+@pytest.mark.slow
+def test_quantized_base_benchmark_smoke(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
+    """An fp8 base against its plan and the full-precision base's step (bench/bench_quantized_base.py --smoke)."""
+    run_bench("bench_quantized_base.py", tmp_path)
+    rows = rows_of(tmp_path / "quantized_base_smoke.json")
+    assert [row["base"] for row in rows] == ["none", "float8_e4m3fn"]
+    assert_positive(rows[1], "planned_MB", "measured_MB", "step_s")
+    assert 0.95 <= rows[1]["measured_over_planned"] <= 1.05
+    assert rows[1]["unet_weights_MB"] < rows[0]["unet_weights_MB"] / 3  # fp8 against fp32, biases and norms aside

@@ -123,11 +123,12 @@ def _lora_tensors(name: str, layer: Any) -> dict[str, torch.Tensor]:
         f"{name}.alpha": torch.tensor(float(layer.lora_alpha[ADAPTER])),
     }
     if layer.use_dora[ADAPTER]:
-        base = layer.get_base_layer().weight
         # peft stores [out] (Linear) or [1, out, 1, 1] (Conv2d). The loaders take the axis from the
-        # shape: [out, 1] / [out, 1, 1, 1] is the output axis; a 1-D scale breaks ComfyUI.
+        # shape: [out, 1] / [out, 1, 1, 1] is the output axis; a 1-D scale breaks ComfyUI. (The up
+        # matrix has the base weight's layout; a quantized base weight may be stored packed.)
+        up = layer.lora_B[ADAPTER].weight
         magnitude = layer.lora_magnitude_vector[ADAPTER].weight
-        tensors[f"{name}.dora_scale"] = magnitude.reshape(base.shape[0], *[1] * (base.dim() - 1))
+        tensors[f"{name}.dora_scale"] = magnitude.reshape(up.shape[0], *[1] * (up.dim() - 1))
     return tensors
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..atomic import write_json
 from ..config import Config, ConfigError
+from ..device_types import run_device_type
 from .plan import MemoryPlan, StepShape, plan_memory
 from .watch import proc_bytes
 
@@ -32,15 +33,6 @@ class Remedy:
     what: str
     changes: dict[str, Any]  # dotted config key -> value
     peak: int = 0
-
-
-def run_device_type() -> str:
-    """The device type the run will train on, by the rule `run.make_accelerator` follows."""
-    import torch
-
-    if torch.cuda.is_available():
-        return "cuda"
-    return "mps" if torch.backends.mps.is_available() else "cpu"
 
 
 def free_memory(device: str) -> int | None:
