@@ -49,7 +49,7 @@ def test_cached_runs_train_bit_identical_weights(tmp_path: Path, tiny_sdxl_dir: 
     with_cache, stdout = train(tmp_path / "cached", True, model, data)
     without, live_stdout = train(tmp_path / "live", False, model, data)
     assert f"text cache: {cached}" in stdout and "text cache:" not in live_stdout
-    assert "text_encoder_2   fp32     -        fp32     cpu (text cache)" in stdout
+    assert "text_encoder_2   fp32      -        fp32     cpu (text cache)" in stdout
     assert "(text cache)" not in live_stdout
     entries = list((tmp_path / "cached" / "text").glob("*/*.safetensors"))
     distinct = len({path.read_text(encoding="utf-8").strip() for path in DATA_DIR.glob("*.txt")})

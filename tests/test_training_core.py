@@ -325,7 +325,7 @@ def test_full_bf16_weights_train_with_stochastic_rounding(tmp_path: Path, tiny_s
                          training={"num_steps": 2, "mixed_precision": "bf16", "lr_unet": 1e-4})
     result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "c.json", config)))
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "  unet             bf16     bf16     bf16" in result.stdout
+    assert "  unet             bf16      bf16     bf16" in result.stdout
 
 
 # ------------------------------------------------------------------------------- NaN policy
