@@ -7,7 +7,10 @@ Runs with the system python3 (3.10 or newer, with its venv module). Steps, each 
 1. create .venv with this python3;
 2. install torch with pip, which honours your pip configuration: the CPU build when no CUDA GPU is
    found (nvidia-smi), the CUDA build otherwise (on Linux, PyPI's torch wheel is the CUDA build);
-3. install the requirement files with uv (4-7 s here against pip's 37-40 s), falling back to pip;
+3. install the requirement files with uv (4-7 s here against pip's 37-40 s), falling back to pip,
+   and compile their bytecode at install time: uv does not by default, and where
+   PYTHONDONTWRITEBYTECODE is set (CI images often set it) every new process would then compile
+   diffusers, transformers and peft again from source, about 5 s each;
 4. write .venv/.setup-stamp: the torch choice and a hash of each requirement file installed;
 5. with --dev, Debian's chromium and chromium-driver via apt-get when missing and run as root
    (the demo's browser test), else a note that the test will be skipped.
@@ -170,7 +173,7 @@ def install_requirements(names):
     if uv is not None:
         # The system's certificates, as pip uses: uv's own list fails behind a TLS-inspecting proxy.
         env = {"UV_NATIVE_TLS": "1", **os.environ}
-        command = [uv, "pip", "install", "-q", "--python", venv_python(), *files]
+        command = [uv, "pip", "install", "-q", "--compile-bytecode", "--python", venv_python(), *files]
         if subprocess.run(command, cwd=ROOT, env=env).returncode == 0:
             return
         say("uv failed; installing with pip instead")
