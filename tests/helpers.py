@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import socket
@@ -52,6 +54,18 @@ def run_cli(script: str, *args: str, cwd: Path | None = None, timeout: int = 600
         [sys.executable, str(ROOT / script), *args], cwd=cwd or ROOT, env=env,
         capture_output=True, text=True, timeout=timeout,
     )
+
+
+def train_here(*args: str) -> subprocess.CompletedProcess:
+    """`train_sdxl.py ARGS` in this process, its output captured: what `run_cli` gives, without a
+    fresh interpreter's ~8 s of imports. For tests that need no process of their own (no signals,
+    no kill, nothing that must start from a clean interpreter)."""
+    import train_sdxl
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = train_sdxl.main(list(args))
+    return subprocess.CompletedProcess(["train_sdxl.py", *args], code, stdout.getvalue(), stderr.getvalue())
 
 
 def free_port() -> int:

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 import train_sdxl
 from sdxl_trainer.checkpointing import Position, load_state
-from tests.helpers import ROOT, run_cli, tiny_config, write_config
+from tests.helpers import ROOT, run_cli, tiny_config, train_here, write_config
 
 
 def resumable_config(tmp_path: Path, adapter_type: str, **training) -> dict:
@@ -182,17 +182,17 @@ def test_resume_refuses_another_rank_and_warns_about_another_length(tmp_path: Pa
     config = tiny_config(tmp_path, training={"num_steps": 4, "checkpoint_every": 2,
                                              "lr_scheduler": {"type": "linear_decay", "warmup_steps": 1}})
     path = write_config(tmp_path / "c.json", config)
-    assert run_cli("train_sdxl.py", "--config", str(path)).returncode == 0
+    assert train_here("--config", str(path)).returncode == 0
     checkpoint = tmp_path / "out" / "test_run" / "checkpoints" / "checkpoint-2"
 
-    other_rank = run_cli("train_sdxl.py", "--config", str(path), "--set", f"training.resume_from={checkpoint}",
+    other_rank = train_here("--config", str(path), "--set", f"training.resume_from={checkpoint}",
                          "--set", "adapter.rank=8")
     assert other_rank.returncode == 2
     assert "cannot resume: the run differs in adapter.rank: 4 then, 8 now" in other_rank.stderr
 
     longer = []
     for name in ("longer", "again"):
-        result = run_cli("train_sdxl.py", "--config", str(path), "--set", f"training.resume_from={checkpoint}",
+        result = train_here("--config", str(path), "--set", f"training.resume_from={checkpoint}",
                          "--set", "training.num_steps=8", "--set", f"run.name={name}")
         assert result.returncode == 0, result.stderr[-3000:]
         assert "total_steps changed: the run length changed: the LR schedule follows the new length" in result.stdout
@@ -215,7 +215,7 @@ def test_a_changed_learning_rate_and_weight_decay_apply_on_resume(tmp_path: Path
         config = tiny_config(tmp_path / name, adapter={"type": "lora"}, model={"train_text_encoder_1": False},
                              optimizer={"type": "adamw", "weight_decay": weight_decay},
                              training={"num_steps": 4, "checkpoint_every": 2, "lr_scheduler": schedule, **training})
-        result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / f"{name}.json", config)))
+        result = train_here("--config", str(write_config(tmp_path / f"{name}.json", config)))
         assert result.returncode == 0, result.stderr[-3000:]
         return result
 
