@@ -25,12 +25,28 @@ def stochastic_round_to_bf16(values: torch.Tensor, generator: torch.Generator | 
     return rounded.view(torch.float32).to(torch.bfloat16)
 
 
+def keep_fp32_state(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+    """Put back the fp32 state a resume loaded: torch's `load_state_dict` casts every floating state
+    tensor to its parameter's dtype, which would turn the fp32 moments of bf16 weights into bf16
+    (AdamW's step then fails; Adafactor's rounds its statistics, and the resume is no longer exact)."""
+    saved_ids = [index for group in state_dict["param_groups"] for index in group["params"]]
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    for index, param in zip(saved_ids, params, strict=True):
+        for key, value in state_dict["state"].get(index, {}).items():
+            if key != "step" and torch.is_tensor(value) and value.is_floating_point():
+                optimizer.state[param][key] = value.to(device=param.device)
+
+
 class StochasticRoundingAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay) on bf16 parameters, computed in fp32."""
 
     def __init__(self, params, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0):
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        keep_fp32_state(self, state_dict)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -83,8 +83,9 @@ class ModelConfig(Section):
     )
     weights_dtype: Literal["fp32", "bf16"] = Field(
         "fp32",
-        description="Storage dtype of fully trained weights; `bf16` uses stochastic rounding in the "
-        "optimizer step.",
+        description="Storage dtype of fully trained weights; `bf16` (with `optimizer.type` `adamw` or `adafactor`) "
+        "rounds each optimizer step's result stochastically, so updates smaller than bf16's spacing are kept on "
+        "average (docs/memory.md).",
     )
     base_quantization: Literal["none", "float8_e4m3fn", "int8", "nf4"] = Field(
         "none",
@@ -765,10 +766,10 @@ class Config(Section):
                     "model.weights_dtype", '"bf16" is for full fine-tunes (adapter.type "none"); adapters '
                     "always keep fp32 weights"
                 )
-            if self.optimizer.type != "adamw":
+            if self.optimizer.type not in ("adamw", "adafactor"):
                 raise _KeyError(
-                    "model.weights_dtype", '"bf16" trains with AdamW and stochastic rounding: set optimizer.type '
-                    'to "adamw"'
+                    "model.weights_dtype", '"bf16" trains with AdamW or Adafactor and stochastic rounding: set '
+                    'optimizer.type to "adamw" or "adafactor"'
                 )
         schedule = training.lr_scheduler
         if self.optimizer.type == "adamw_schedulefree" and schedule is not None and schedule.type != "constant":

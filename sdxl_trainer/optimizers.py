@@ -89,16 +89,20 @@ def make_optimizer(optimizer: OptimizerConfig, param_groups: list[dict[str, Any]
                    bf16_weights: bool = False, warmup_steps: int = 0):
     """Build the optimizer over param groups that each carry their own `lr`.
 
-    bf16 weights get AdamW with stochastic rounding; 8-bit AdamW falls back to AdamW on Apple MPS,
-    where bitsandbytes has no kernels (the fallback is printed). `warmup_steps` goes to the
+    bf16 weights get AdamW or Adafactor with stochastic rounding; 8-bit AdamW falls back to AdamW on
+    Apple MPS, where bitsandbytes has no kernels (the fallback is printed). `warmup_steps` goes to the
     optimizers that warm up themselves (schedule-free) or guard their estimate during warmup (Prodigy).
     """
-    if bf16_weights:
+    if bf16_weights and optimizer.type == "adamw":
         from .bf16_adamw import StochasticRoundingAdamW
 
         return StochasticRoundingAdamW(
             param_groups, betas=optimizer.betas, eps=optimizer.eps, weight_decay=optimizer.weight_decay
         )
+    if bf16_weights:  # the config allows only AdamW and Adafactor with bf16 weights
+        from .bf16_adafactor import StochasticRoundingAdafactor
+
+        return StochasticRoundingAdafactor(param_groups, **(own_defaults(optimizer, "adafactor", 0) | optimizer.args))
     kind = optimizer.type
     if kind in ("adamw8bit", "lion8bit") and device == "mps":
         kind = "adamw" if kind == "adamw8bit" else "lion"

@@ -81,6 +81,7 @@ def test_a_run_that_does_not_fit_is_refused_with_what_would_make_it_fit(tmp_path
     savings = [float(line.split("saves ")[1].split(" MB")[0]) for line in remedies]
     assert any("gradient checkpointing" in line for line in remedies)
     assert any("batch 1 with 2x gradient accumulation" in line for line in remedies)
+    assert any('an fp8 base under the adapter (model.base_quantization "float8_e4m3fn")' in line for line in remedies)
     assert savings == sorted(savings, reverse=True) and all(saving > 0 for saving in savings)
 
     config["training"]["memory_check"] = "warn"
@@ -140,3 +141,27 @@ def test_every_optimizer_can_be_planned(tmp_path, tiny_sdxl_dir):
     assert states["lion"] == trained  # one moment
     assert states["adafactor"] < states["adamw"]  # factored second moments
     assert states["prodigy"] > states["adamw"]  # Prodigy keeps the initial weights and its s as well
+
+
+@pytest.mark.slow
+def test_an_adapter_run_is_offered_a_quantized_base_where_it_runs(tmp_path, tiny_sdxl_dir):
+    """An fp8 and an NF4 base are offered to a DoRA run, each planned anew and saving what the
+    smaller UNet weights save; a full fine-tune (refused with a quantized base) is offered neither."""
+    from sdxl_trainer.memory.plan import StepShape
+    from sdxl_trainer.memory.preflight import cached_plan, quantized_base_remedies
+
+    shape = StepShape(1, 64, 64)
+    dora = validate_config(tiny_config(tmp_path))
+    offered = {remedy.changes["model.base_quantization"]: remedy.what
+               for remedy in quantized_base_remedies(dora, "cpu")}
+    assert offered == {"float8_e4m3fn": 'an fp8 base under the adapter (model.base_quantization "float8_e4m3fn")',
+                       "nf4": 'an NF4 base under the adapter (model.base_quantization "nf4")'}
+    full_precision = cached_plan(dora, shape, "cpu")
+    for form in offered:
+        quantized = cached_plan(validate_config(tiny_config(tmp_path, model={"base_quantization": form})), shape, "cpu")
+        assert full_precision.weight_bytes - quantized.weight_bytes > 5_000_000  # the UNet's 12.4 MB of fp32
+        assert quantized.peak < full_precision.peak
+    assert quantized_base_remedies(validate_config(tiny_config(tmp_path, adapter={"type": "none"})), "cpu") == []
+    assert quantized_base_remedies(validate_config(tiny_config(tmp_path, model={"base_quantization": "nf4"})),
+                                   "cpu") == []
+    assert list(quantized_base_remedies(dora, "mps")) == []  # no float8 on MPS, no bitsandbytes NF4 there

@@ -131,6 +131,7 @@ def ways_to_fit(config: Config, shape: StepShape, device: str, memory: MemoryPla
         changes = {"optimizer.fused_backward": True, "training.max_grad_norm": None}
         without_clipping = "; without training.max_grad_norm" if config.training.max_grad_norm else ""
         remedies.append(Remedy(f"fused backward (optimizer.fused_backward{without_clipping})", changes))
+    remedies += quantized_base_remedies(config, device)
     if not config.data.text_cache.enabled:
         remedies.append(Remedy("the text cache (data.text_cache.enabled)", {"data.text_cache.enabled": True}))
     for key in ("train_text_encoder_1", "train_text_encoder_2"):
@@ -155,6 +156,24 @@ def fused_backward_fits(config: Config) -> bool:
     return (config.adapter.type == "none" and not config.optimizer.fused_backward
             and config.optimizer.type in FUSABLE_OPTIMIZERS and training.grad_accum_steps == 1
             and config.precision != "fp16" and training.nan_policy == "abort")
+
+
+def quantized_base_remedies(config: Config, device: str) -> list[Remedy]:
+    """An fp8 and an NF4 frozen base for an adapter run on a full-precision one, each where this
+    device and the installed libraries run it (quantized_base.check_quantization decides)."""
+    from ..quantized_base import FP8, check_quantization
+
+    if config.adapter.type == "none" or config.model.base_quantization != "none":
+        return []
+    remedies = []
+    for form, what in ((FP8, "an fp8 base"), ("nf4", "an NF4 base")):
+        changes = {"model.base_quantization": form}
+        try:
+            check_quantization(_with_changes(config, changes), device)
+        except ConfigError:
+            continue
+        remedies.append(Remedy(f'{what} under the adapter (model.base_quantization "{form}")', changes))
+    return remedies
 
 
 def _with_changes(config: Config, changes: dict[str, Any]) -> Config:
