@@ -119,10 +119,9 @@ def read_init_adapter(config: Config, pipe: StableDiffusionXLPipeline) -> InitAd
         lines.append(f"  warning: the file's modules on no layer this model has or runs are left out "
                      f"({_count(left_out)}): {_names(left_out)}")
     if own:
+        ranks, alphas = _values(rank for rank, _ in own.values()), _values(alpha for _, alpha in own.values())
         lines.append(f"  note: {_count(list(own))} keep{'s' if len(own) == 1 else ''} the file's own rank and alpha, "
-                     f"not the config's (peft's "
-                     f"rank_pattern and alpha_pattern): ranks {_values(rank for rank, _ in own.values())}; "
-                     f"alphas {_values(alpha for _, alpha in own.values())}")
+                     f"not the config's (peft's rank_pattern and alpha_pattern): ranks {ranks}; alphas {alphas}")
     lacking = [key for key in trained if key not in matched]
     if lacking:
         lines.append(f"  note: the file lacks {_count(lacking)} this run adapts; they start as a new adapter "
@@ -133,7 +132,7 @@ def read_init_adapter(config: Config, pipe: StableDiffusionXLPipeline) -> InitAd
 def saved_patterns(path: Path) -> Patterns:
     """The rank and alpha patterns a run's adapter file was saved with (peft's config, which
     `save_diffusers_adapter` writes into its metadata): a resumed run attaches exactly the adapter
-    its checkpoint holds, whatever `adapter.init_from` says now. None in a file saved without."""
+    its checkpoint holds, whatever `adapter.init_from` says now. Empty for a file without them."""
     from safetensors import safe_open
 
     from .adapters import PATTERN_FIELDS

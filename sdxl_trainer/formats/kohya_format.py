@@ -150,9 +150,9 @@ def _metadata(module: torch.nn.Module, layers: list[Any], title: str) -> dict[st
     convs = [layer for layer in layers if isinstance(layer.get_base_layer(), torch.nn.Conv2d)]
     if convs:
         # the most common: convolutions may keep ranks of their own (adapter.init_from, peft's rank_pattern)
-        rank, alpha = collections.Counter((layer.r[ADAPTER], getattr(layer, kind.alpha_field)[ADAPTER])
-                                          for layer in convs).most_common(1)[0][0]
-        network_args["conv_dim"], network_args["conv_alpha"] = str(rank), f"{alpha:g}"
+        conv_rank, conv_alpha = collections.Counter((layer.r[ADAPTER], getattr(layer, kind.alpha_field)[ADAPTER])
+                                                    for layer in convs).most_common(1)[0][0]
+        network_args["conv_dim"], network_args["conv_alpha"] = str(conv_rank), f"{conv_alpha:g}"
     metadata = {
         "ss_network_module": "lycoris.kohya" if network_args.get("algo") else "networks.lora",
         "ss_network_dim": str(config.r),
