@@ -362,7 +362,7 @@ def dynamic(exported: SimpleNamespace) -> SimpleNamespace:
 
     file = exported.root / "dynamic.safetensors"
     assert resize_adapter.main([str(exported.peft), "--rank", "4", "--dynamic", "sv_ratio", "--dynamic-param", "2",
-                                "--base", "builtin:tiny-sdxl", "--out", str(file), "--quiet"]) == 0
+                                "--out", str(file), "--quiet"]) == 0
     with AdapterFile(file) as adapter:
         modules = {layer_key(m.component, m.name): m for m in adapter.modules()}
     ranks = {key: m.rank for key, m in modules.items()}
