@@ -5,6 +5,7 @@ again, and a file the run cannot start from is one line and exit 2 before anythi
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -367,14 +368,13 @@ def dynamic(exported: SimpleNamespace) -> SimpleNamespace:
         modules = {layer_key(m.component, m.name): m for m in adapter.modules()}
     ranks = {key: m.rank for key, m in modules.items()}
     assert all(m.alpha == m.rank for m in modules.values())
-    linear = {rank for key, rank in ranks.items() if modules[key].down.dim() == 2}
-    assert linear == {2, 3, 4}
-    common = {conv: max(set(values), key=values.count) for conv in (False, True)
-              for values in [[rank for key, rank in ranks.items() if (modules[key].down.dim() == 4) == conv]]}
+    is_conv = {key: m.down.dim() == 4 for key, m in modules.items()}
+    assert {rank for key, rank in ranks.items() if not is_conv[key]} == {2, 3, 4}
+    common = {conv: Counter(rank for key, rank in ranks.items() if is_conv[key] == conv).most_common(1)[0][0]
+              for conv in (False, True)}
     settings = {"rank": common[False], "alpha": common[False], "conv_rank": common[True], "conv_alpha": common[True]}
-    own = {rank for key, rank in ranks.items() if rank != common[modules[key].down.dim() == 4]}
-    count = sum(rank != common[modules[key].down.dim() == 4] for key, rank in ranks.items())
-    return SimpleNamespace(file=file, ranks=ranks, settings=settings, own=sorted(own), count=count)
+    own = [rank for key, rank in ranks.items() if rank != common[is_conv[key]]]
+    return SimpleNamespace(file=file, ranks=ranks, settings=settings, own=sorted(set(own)), count=len(own))
 
 
 def adapter_ranks(modules: dict[str, torch.nn.Module]) -> dict[str, int]:
