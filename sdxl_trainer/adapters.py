@@ -66,10 +66,17 @@ def text_encoder_target_modules(text_encoder: torch.nn.Module, targets: str | li
     ]
 
 
-def peft_config(adapter: AdapterConfig, module: torch.nn.Module, names: list[str]):
+# component → peft's "rank_pattern" and "alpha_pattern" (module-name pattern → value) for modules
+# whose rank or alpha is not the config's: those of a file of several ranks (`adapter.init_from`).
+Patterns = dict[str, dict[str, dict[str, float]]]
+PATTERN_FIELDS = ("rank_pattern", "alpha_pattern")
+
+
+def peft_config(adapter: AdapterConfig, module: torch.nn.Module, names: list[str],
+                patterns: dict[str, dict[str, float]] | None = None):
     """The peft config of the kind (`AdapterKind.peft_config`: LoraConfig, LoKrConfig, LoHaConfig)
-    for exactly these modules, with conv rank/alpha where configured. Every kind starts as a no-op
-    (one factor zero), as LoRA does."""
+    for exactly these modules, with conv rank/alpha where configured and the modules' own ranks and
+    alphas of `patterns` (this component's). Every kind starts as a no-op (one factor zero), as LoRA does."""
     import peft
     import torch
 
@@ -77,19 +84,22 @@ def peft_config(adapter: AdapterConfig, module: torch.nn.Module, names: list[str
     convs = [name for name in names if isinstance(module.get_submodule(name), torch.nn.Conv2d)]
     rank_pattern = {re.escape(name): adapter.conv_rank for name in convs} if adapter.conv_rank else {}
     alpha_pattern = {re.escape(name): adapter.conv_alpha for name in convs} if adapter.conv_alpha else {}
+    patterns = patterns or {}
     return getattr(peft, kind.peft_config)(
-        r=adapter.rank, target_modules=names, rank_pattern=rank_pattern, alpha_pattern=alpha_pattern,
+        r=adapter.rank, target_modules=names, rank_pattern=rank_pattern | patterns.get("rank_pattern", {}),
+        alpha_pattern=alpha_pattern | patterns.get("alpha_pattern", {}),
         **{kind.alpha_field: adapter.alpha}, **kind.peft_options(adapter))
 
 
-def attach_adapter(module: torch.nn.Module, adapter: AdapterConfig, names: list[str]) -> None:
+def attach_adapter(module: torch.nn.Module, adapter: AdapterConfig, names: list[str],
+                   patterns: dict[str, dict[str, float]] | None = None) -> None:
     """Add a peft adapter to `module` (a diffusers UNet or a transformers CLIP encoder); DoRA layers
     get the faster forward of the same function (fast_dora.py)."""
     from .fast_dora import use_fast_dora
 
     if not names:
         raise ValueError("adapter.targets selects no module")
-    module.add_adapter(peft_config(adapter, module, names))
+    module.add_adapter(peft_config(adapter, module, names, patterns))
     use_fast_dora(module)
 
 

@@ -132,8 +132,9 @@ class AdapterConfig(Section):
     init_from: str | None = Field(
         None, description="Start the adapter from this file or folder instead of from zero: a diffusers/peft or "
         "kohya/LyCORIS `.safetensors` file (LoRA, DoRA, LoKr or LoHa), or an output or checkpoint folder of this "
-        "trainer. Its kind, rank, alpha and targets must match `adapter.*` (the pre-flight names any difference); "
-        "read only when a run starts, not when it resumes.")
+        "trainer. Its kind, targets and most common rank and alpha must match `adapter.*` (the pre-flight names any "
+        "difference); modules of other ranks or alphas (kohya's dynamic resizing) keep the file's. Read only when a "
+        "run starts, not when it resumes.")
 
     @model_validator(mode="after")
     def _dropout_is_lora_only(self) -> AdapterConfig:

@@ -9,7 +9,10 @@ its tensors go into the adapter peft attached. A resume never reads it: the chec
 adapter, so a resumed run continues exactly as if it had not stopped.
 
 What must agree, and what is only said (docs/training.md, "Start from an existing adapter"):
-- the kind, rank and alpha (convolutions: conv_rank, conv_alpha) must be the config's;
+- the kind must be the config's, and so must the file's most common rank and alpha of Linear layers
+  (adapter.rank, alpha) and of convolutions (conv_rank, conv_alpha); modules of other ranks or alphas
+  (kohya's dynamic resizing, extract_adapter.py's error target) keep theirs, attached through peft's
+  rank_pattern and alpha_pattern, and are counted in one line;
 - each module of the file on a layer of this model must fit that layer (else it is an adapter for
   another model) and be one the config trains (`adapter.targets`, `model.train_text_encoder_*`);
 - modules on no layer of this model (other names, CLIP-L's last layer, which SDXL never runs) are
@@ -21,8 +24,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,6 +37,7 @@ if TYPE_CHECKING:
     import torch
     from diffusers import StableDiffusionXLPipeline
 
+    from .adapters import Patterns
     from .config import AdapterConfig, Config
     from .formats.adapter_files import AdapterModule
     from .training_setup import Trainable
@@ -51,6 +56,7 @@ class InitAdapter:
     path: Path
     modules: dict[str, AdapterModule]  # layer_key → the file's module for that layer
     lines: list[str]  # what the pre-flight says about it
+    patterns: Patterns  # the modules whose rank or alpha is not the config's, as peft attaches them
 
 
 def layer_key(component: str, path: str) -> str:
@@ -97,26 +103,45 @@ def read_init_adapter(config: Config, pipe: StableDiffusionXLPipeline) -> InitAd
         raise ConfigError(f"{KEY}: {exc}") from None
     layers = model_layers(pipe)
     matched, left_out = _match(path, modules, layers)
-    _check_settings(path, matched, layers, config.adapter)
-    trained = [layer_key(component, name) for component, names in adapter_targets(pipe, config).items()
-               for name in names]
+    own = _check_settings(path, matched, layers, config.adapter)
+    targets = adapter_targets(pipe, config)
+    trained = [layer_key(component, name) for component, names in targets.items() for name in names]
     trained_set = set(trained)
     outside = [key for key in matched if key not in trained_set]
     if outside:
         raise ConfigError(_outside_message(path, outside, list(matched), pipe, config))
     if config.adapter.type == "lokr":
-        _check_lokr_factors(path, matched, layers, config.adapter)
+        _check_lokr_factors(path, matched, layers, config.adapter, own)
     counts = Counter(key.split(".", 1)[0] for key in matched)
     lines = [f"init: the adapter starts from {path} ({file_format}, {len(matched)} modules: "
              + ", ".join(f"{component} {count}" for component, count in counts.items()) + ")"]
     if left_out:
         lines.append(f"  warning: the file's modules on no layer this model has or runs are left out "
                      f"({_count(left_out)}): {_names(left_out)}")
+    if own:
+        ranks, alphas = _values(rank for rank, _ in own.values()), _values(alpha for _, alpha in own.values())
+        lines.append(f"  note: {_count(list(own))} keep{'s' if len(own) == 1 else ''} the file's own rank and alpha, "
+                     f"not the config's (peft's rank_pattern and alpha_pattern): ranks {ranks}; alphas {alphas}")
     lacking = [key for key in trained if key not in matched]
     if lacking:
         lines.append(f"  note: the file lacks {_count(lacking)} this run adapts; they start as a new adapter "
                      f"does (a no-op): {_names(lacking)}")
-    return InitAdapter(path, matched, lines)
+    return InitAdapter(path, matched, lines, _patterns(own, targets))
+
+
+def saved_patterns(path: Path) -> Patterns:
+    """The rank and alpha patterns a run's adapter file was saved with (peft's config, which
+    `save_diffusers_adapter` writes into its metadata): a resumed run attaches exactly the adapter
+    its checkpoint holds, whatever `adapter.init_from` says now. Empty for a file without them."""
+    from safetensors import safe_open
+
+    from .adapters import PATTERN_FIELDS
+    from .formats.adapter_files import peft_configs
+
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+    return {component: {field: config.get(field) or {} for field in PATTERN_FIELDS}
+            for component, config in peft_configs(metadata).items()}
 
 
 def model_layers(pipe: StableDiffusionXLPipeline) -> dict[str, tuple[int, ...]]:
@@ -193,25 +218,53 @@ def _shown(value: float) -> str:
 
 
 def _check_settings(path: Path, modules: dict[str, AdapterModule], layers: dict[str, tuple[int, ...]],
-                    adapter: AdapterConfig) -> None:
-    """Kind, rank and alpha of the file against `adapter.*`: one ConfigError naming every difference,
-    both values each."""
+                    adapter: AdapterConfig) -> dict[str, tuple[int, float]]:
+    """Kind, and the most common rank and alpha of Linear layers and of convolutions, against
+    `adapter.*`: one ConfigError naming every difference, both values each. Returns the modules
+    of another rank or alpha, which keep the file's: layer_key → (rank, alpha)."""
     from .adapter_kinds import kind_of_module
 
     kinds = sorted({kind_of_module(m.algorithm, m.magnitude is not None).name for m in modules.values()})
     differences = [] if kinds == [adapter.type] else [
         f"adapter.type is {json.dumps(adapter.type)}, the file's " + " and ".join(json.dumps(kind) for kind in kinds)]
+    own = {}
     for conv in (False, True):
-        group = [m for key, m in modules.items() if (len(layers[key]) == 4) == conv and m.rank is not None]
-        for setting, wanted, said in _wanted(adapter, conv):
-            found = sorted({m.rank if setting.endswith("rank") else _float32(m.alpha) for m in group})
-            if found and found != [_float32(wanted)]:
-                values = ", ".join(_shown(value) for value in found)
-                differences.append(f"{setting} is {said}, the file's {values}"
-                                   + (" (they differ between modules; this trainer trains one value for "
-                                      "Linear layers, one for convolutions)" if len(found) > 1 else ""))
+        group = {key: m for key, m in modules.items() if (len(layers[key]) == 4) == conv and m.rank is not None}
+        wanted = _wanted(adapter, conv)
+        for setting, value, said in wanted:
+            found = Counter(m.rank if setting.endswith("rank") else _float32(m.alpha) for m in group.values())
+            if found and found[_float32(value)] < max(found.values()):
+                differences.append(f"{setting} is {said}, the file's {_most_common(found)}")
+        (_, rank, _), (_, alpha, _) = wanted
+        own |= {key: (m.rank, m.alpha) for key, m in group.items()
+                if m.rank != rank or _float32(m.alpha) != _float32(alpha)}
     if differences:
         raise ConfigError(f"{KEY}: {path} does not match the config: " + "; ".join(differences))
+    return own
+
+
+def _most_common(found: Counter) -> str:
+    """The most common value(s) of a file's ranks or alphas, and all of them where they differ."""
+    most = max(found.values())
+    common = " or ".join(_shown(value) for value in sorted(found) if found[value] == most)
+    return common if len(found) == 1 else f"most common {common} (of {_values(found)})"
+
+
+def _values(values: Iterable[float]) -> str:
+    return ", ".join(_shown(value) for value in sorted(set(values)))
+
+
+def _patterns(own: dict[str, tuple[int, float]], targets: dict[str, list[str]]) -> Patterns:
+    """The modules of their own rank and alpha as peft's rank_pattern and alpha_pattern of each
+    component (its module names, escaped as `adapters.peft_config` does those of convolutions)."""
+    patterns = {}
+    for component, names in targets.items():
+        mine = {re.escape(name): own[layer_key(component, name)] for name in names
+                if layer_key(component, name) in own}
+        if mine:
+            patterns[component] = {"rank_pattern": {name: rank for name, (rank, _) in mine.items()},
+                                   "alpha_pattern": {name: alpha for name, (_, alpha) in mine.items()}}
+    return patterns
 
 
 def _wanted(adapter: AdapterConfig, conv: bool) -> list[tuple[str, float, str]]:
@@ -264,14 +317,14 @@ def _outside_message(path: Path, outside: list[str], matched: list[str], pipe: S
 
 
 def _check_lokr_factors(path: Path, modules: dict[str, AdapterModule], layers: dict[str, tuple[int, ...]],
-                        adapter: AdapterConfig) -> None:
+                        adapter: AdapterConfig, own: dict[str, tuple[int, float]]) -> None:
     """LoKr's factor shapes are set by `adapter.lokr_factor` and `lokr_decompose_both`: the file's
     must be those peft makes of them (lycoris_compat.peft_lokr_parts, checked against peft)."""
     from .formats.lycoris_compat import peft_lokr_parts
 
     for key, module in modules.items():
         weight = layers[key]
-        rank = (adapter.conv_rank or adapter.rank) if len(weight) == 4 else adapter.rank
+        rank = own[key][0] if key in own else (adapter.conv_rank or adapter.rank) if len(weight) == 4 else adapter.rank
         wanted = peft_lokr_parts(weight, rank, adapter.lokr_factor, adapter.lokr_decompose_both)
         held = {role: tuple(tensor.shape) for role, tensor in module.tensors.items() if role != "alpha"}
         if held != wanted:

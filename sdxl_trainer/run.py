@@ -29,7 +29,8 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from . import checkpointing, export
-from .adapters import load_adapter_weights, weight_file_name
+from .adapter_kinds import ADAPTER_KINDS
+from .adapters import Patterns, load_adapter_weights, weight_file_name
 from .atomic import OutputWriteError
 from .attention import set_attention
 from .checkpointing import (
@@ -59,7 +60,7 @@ from .eval.evaluator import Evaluator, live_eval_due, make_validation, validatio
 from .export import ExportError
 from .finite import NonFiniteWeightsError
 from .fused_backward import FusedBackward
-from .init_adapter import load_init_adapter, read_init_adapter
+from .init_adapter import InitAdapter, load_init_adapter, read_init_adapter, saved_patterns
 from .latent_cache import vae_fingerprint
 from .long_prompts import length_report, local_tokenizer
 from .lr_schedule import make_lr_scheduler, schedule_settings
@@ -354,7 +355,7 @@ def setup_models(config: Config, plan: RunPlan, precision: PrecisionPlan, accele
         accelerator.print(f"latent cache: {hits} hits, {built} encoded now")
     # `adapter.init_from` is read at a fresh start only: a resume continues from its checkpoint.
     init = read_init_adapter(config, pipe) if config.adapter.init_from and not resume_folder else None
-    trainable = prepare_trainable(pipe, config)
+    trainable = prepare_trainable(pipe, config, adapter_patterns(config, init, resume_folder))
     # peft creates adapters in the dtype of the layer they wrap (bf16/fp16 here): they get their fp32
     # master dtype before a resume or `adapter.init_from` loads the saved weights, which would
     # otherwise be rounded to it.
@@ -370,6 +371,18 @@ def setup_models(config: Config, plan: RunPlan, precision: PrecisionPlan, accele
                       f"{audited['trained']} of them trained")
     trainable.tokens = attach_tokens(pipe, config, resume_folder)
     return noise_scheduler, cache, trainable
+
+
+def adapter_patterns(config: Config, init: InitAdapter | None, resume_folder: Path | None) -> Patterns:
+    """The modules whose rank or alpha is not the config's: those of `adapter.init_from` at a fresh
+    start; at a resume those its checkpoint's adapter file was saved with (its metadata), so that
+    the run continues on exactly the adapter it stopped with, without reading `init_from` again."""
+    if init:
+        return init.patterns
+    if not resume_folder or config.adapter.type not in ADAPTER_KINDS:
+        return {}
+    weights = resume_folder / weight_file_name(config.adapter.type)
+    return saved_patterns(weights) if weights.is_file() else {}  # none: textual inversion alone
 
 
 class Restored(NamedTuple):

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     import torch
     from diffusers import StableDiffusionXLPipeline
 
+    from .adapters import Patterns
     from .embeddings import TokenSet
 
 
@@ -104,8 +105,9 @@ def adapter_targets(pipe: StableDiffusionXLPipeline, config: Config) -> dict[str
     return targets
 
 
-def prepare_trainable(pipe: StableDiffusionXLPipeline, config: Config) -> Trainable:
-    """Freeze everything, then attach adapters to (or unfreeze) the components the config trains."""
+def prepare_trainable(pipe: StableDiffusionXLPipeline, config: Config, patterns: Patterns | None = None) -> Trainable:
+    """Freeze everything, then attach adapters to (or unfreeze) the components the config trains
+    (with `patterns`, modules keep ranks and alphas of their own: adapters.Patterns)."""
     model = config.model
     wanted = trained_components(config)
     targets = adapter_targets(pipe, config) if config.adapter.type != "none" else {}
@@ -123,7 +125,7 @@ def prepare_trainable(pipe: StableDiffusionXLPipeline, config: Config) -> Traina
                 if param_name.startswith(unused):
                     param.requires_grad_(False)
         else:
-            attach_adapter(module, config.adapter, targets[name])
+            attach_adapter(module, config.adapter, targets[name], (patterns or {}).get(name))
         if model.use_gradient_checkpointing:
             if name == "unet":
                 module.enable_gradient_checkpointing()

@@ -5,6 +5,7 @@ again, and a file the run cannot start from is one line and exit 2 before anythi
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -120,12 +121,18 @@ def unet_output(unet: torch.nn.Module) -> torch.Tensor:
 def test_the_first_forward_is_the_base_with_the_file_fused_by_diffusers(
         kind: str, file: str, trained: Callable[[str], SimpleNamespace], started: Callable[[str, str], Trainable],
         tiny_sdxl_dir: Path) -> None:
+    run, trainable = trained(kind), started(kind, file)
+    fused_like_diffusers(trainable, getattr(run, file), tiny_sdxl_dir)
+
+
+def fused_like_diffusers(trainable: Trainable, file: Path, tiny_sdxl_dir: Path) -> None:
+    """The run's adapter before its first step is the base with `file` fused by diffusers: merged
+    weights bit for bit, and the UNet's output, which the adapter changes."""
     from diffusers import StableDiffusionXLPipeline
 
-    run, trainable = trained(kind), started(kind, file)
     judge = StableDiffusionXLPipeline.from_pretrained(tiny_sdxl_dir)
     base = unet_output(judge.unet)
-    judge.load_lora_weights(str(getattr(run, file)))
+    judge.load_lora_weights(str(file))
     judge.fuse_lora(lora_scale=1.0)
     judge.unload_lora_weights()
     for name, module in trainable.modules.items():  # peft's merged weights: bit for bit
@@ -270,9 +277,11 @@ def test_differences_from_the_config_are_named_with_both_values(exported: Simple
     tensors[f"{name}.lora_down.weight"] = tensors[f"{name}.lora_down.weight"][:2].contiguous()
     tensors[f"{name}.lora_up.weight"] = tensors[f"{name}.lora_up.weight"][:, :2].contiguous()
     save_file(tensors, tmp_path / "resized.safetensors")
-    assert refused(exported, tmp_path / "resized.safetensors").endswith(
-        "adapter.rank is 4, the file's 2, 4 (they differ between modules; this trainer trains one value for Linear "
-        "layers, one for convolutions)")
+    assert preflight(exported, tmp_path / "resized.safetensors")[1] == (
+        "  note: 1 module keeps the file's own rank and alpha, not the config's (peft's rank_pattern and "
+        "alpha_pattern): ranks 2; alphas 8")
+    assert refused(exported, tmp_path / "resized.safetensors", adapter={"rank": 2}).endswith(
+        "adapter.rank is 2, the file's most common 4 (of 2, 4)")
 
 
 def test_another_models_adapter_no_adapter_or_a_damaged_one_is_refused_in_one_line(
@@ -339,3 +348,102 @@ def test_a_refused_file_stops_the_run_before_anything_is_written(exported: Simpl
     assert "\n" not in error and not (tmp_path / "out").exists()
     with pytest.raises(ConfigError, match=r'adapter\.init_from starts an adapter; adapter\.type "none"'):
         validate_config(tiny_config(tmp_path, adapter={"type": "none", "init_from": str(exported.peft)}))
+
+
+# --- a file of several ranks (kohya's dynamic resizing): each module keeps its own -----------------
+
+
+@pytest.fixture(scope="module")
+def dynamic(exported: SimpleNamespace) -> SimpleNamespace:
+    """The random DoRA resized by resize_adapter.py's sv_ratio: Linear layers of ranks 2, 3 and 4
+    (alpha = rank), with the config's settings the file's most common rank and alpha."""
+    import resize_adapter
+    from sdxl_trainer.formats.adapter_files import AdapterFile
+    from sdxl_trainer.init_adapter import layer_key
+
+    file = exported.root / "dynamic.safetensors"
+    assert resize_adapter.main([str(exported.peft), "--rank", "4", "--dynamic", "sv_ratio", "--dynamic-param", "2",
+                                "--out", str(file), "--quiet"]) == 0
+    with AdapterFile(file) as adapter:
+        modules = {layer_key(m.component, m.name): m for m in adapter.modules()}
+    ranks = {key: m.rank for key, m in modules.items()}
+    assert all(m.alpha == m.rank for m in modules.values())
+    is_conv = {key: m.down.dim() == 4 for key, m in modules.items()}
+    assert {rank for key, rank in ranks.items() if not is_conv[key]} == {2, 3, 4}
+    common = {conv: Counter(rank for key, rank in ranks.items() if is_conv[key] == conv).most_common(1)[0][0]
+              for conv in (False, True)}
+    settings = {"rank": common[False], "alpha": common[False], "conv_rank": common[True], "conv_alpha": common[True]}
+    own = [rank for key, rank in ranks.items() if rank != common[is_conv[key]]]
+    return SimpleNamespace(file=file, ranks=ranks, settings=settings, own=sorted(set(own)), count=len(own))
+
+
+def adapter_ranks(modules: dict[str, torch.nn.Module]) -> dict[str, int]:
+    """layer_key → the rank of the peft layer on it (its one adapter, whatever its name: diffusers
+    names it default_0); every layer's scale must be 1 (alpha = rank)."""
+    from sdxl_trainer.init_adapter import layer_key
+
+    layers = {layer_key(component, path): layer for component, module in modules.items()
+              for path, layer in adapter_layers(module)}
+    assert {scale for layer in layers.values() for scale in layer.scaling.values()} == {1.0}
+    ranks = {key: list(layer.r.values()) for key, layer in layers.items()}
+    assert {len(held) for held in ranks.values()} == {1}
+    return {key: held[0] for key, held in ranks.items()}
+
+
+@pytest.mark.slow
+def test_a_file_of_several_ranks_starts_each_module_at_its_own(exported: SimpleNamespace, dynamic: SimpleNamespace,
+                                                               tiny_sdxl_dir: Path) -> None:
+    config = validate_config(config_dict(exported.root / "several", "dora", init_from=str(dynamic.file),
+                                         **dynamic.settings))
+    shown = ", ".join(str(rank) for rank in dynamic.own)
+    assert preflight_lines(config, resuming=False)[1] == (
+        f"  note: {dynamic.count} modules keep the file's own rank and alpha, not the config's (peft's rank_pattern "
+        f"and alpha_pattern): ranks {shown}; alphas {shown}")
+    pipe = load_pipeline(config.model)
+    trainable = setup_models(config, RunPlan(None, 1, [], ""), plan_precision(config, "cpu"),
+                             make_accelerator(config), pipe)[2]
+    assert adapter_ranks(trainable.modules) == dynamic.ranks
+    fused_like_diffusers(trainable, dynamic.file, tiny_sdxl_dir)
+
+
+@pytest.mark.slow
+def test_a_run_from_a_file_of_several_ranks_exports_them_and_resumes_bit_exactly(
+        dynamic: SimpleNamespace, tmp_path: Path, tiny_sdxl_dir: Path) -> None:
+    """Both exports hold each module's own rank and alpha, and the diffusers file loads so in
+    diffusers; the resumed run (its init file gone) attaches the ranks its checkpoint was saved
+    with, and ends bit for bit as the uninterrupted one."""
+    from diffusers import StableDiffusionXLPipeline
+
+    from sdxl_trainer.formats.adapter_files import AdapterFile, kohya_name_map
+    from sdxl_trainer.init_adapter import layer_key
+
+    def config(name: str, init_from: Path, **training) -> Path:
+        values = resumable_config(tmp_path / name, "dora", num_steps=2, checkpoint_every=1,
+                                  lr_text_encoder_2=1e-3, **training)
+        values["adapter"].update(SETTINGS, **dynamic.settings, init_from=str(init_from))
+        values["model"]["train_text_encoder_2"] = True
+        values["export"]["adapter_formats"] = ["diffusers", "kohya"]
+        return write_config(tmp_path / f"{name}.json", values)
+
+    assert train_sdxl.main(["--config", str(config("straight", dynamic.file))]) == 0
+    output = tmp_path / "straight" / "out" / "test_run"
+    garbage = tmp_path / "gone.safetensors"
+    garbage.write_bytes(b"not an adapter any more")
+    resumed = config("resumed", garbage, resume_from=str(output / "checkpoints" / "checkpoint-1"))
+    assert train_sdxl.main(["--config", str(resumed)]) == 0
+    first = final_weights(output)
+    tensors_equal(first, final_weights(tmp_path / "resumed" / "out" / "test_run"))
+    started = load_file(dynamic.file)  # trained on from the file's values
+    assert 0 < max((first[f"test_run/{key}"] - value).abs().max() for key, value in started.items()) < 0.1
+    for export in (output / "pytorch_lora_weights.safetensors", output / "test_run_kohya.safetensors"):
+        pipe = StableDiffusionXLPipeline.from_pretrained(tiny_sdxl_dir)
+        with AdapterFile(export) as adapter:  # the file itself: each module's rank, alpha = rank
+            adapter.name_map = kohya_name_map(pipe)
+            modules = {layer_key(m.component, m.name): m for m in adapter.modules()}
+        assert {key: m.rank for key, m in modules.items()} == dynamic.ranks
+        assert all(m.alpha == m.rank for m in modules.values())
+    # diffusers: each layer at the file's rank, scale 1. (Its kohya loader turns per-module alphas of
+    # attention and text-encoder layers into alpha_pattern keys that match no module, and ignores them.)
+    pipe.load_lora_weights(str(output / "pytorch_lora_weights.safetensors"))
+    assert adapter_ranks({name: getattr(pipe, name) for name in ("unet", "text_encoder", "text_encoder_2")}) \
+        == dynamic.ranks

@@ -225,7 +225,7 @@ class AdapterFile:
             raise AdapterFileError(f"{self.path}: no LoRA (lora_down/lora_up, lora_A/lora_B), LoKr (lokr_*) or "
                                    "LoHa (hada_*) modules; other LyCORIS algorithms are not supported")
         self.name_map = name_map or {}
-        self._peft_configs = _peft_configs(self.reader.metadata) if self.format == PEFT else {}
+        self._peft_configs = peft_configs(self.reader.metadata) if self.format == PEFT else {}
 
     def __enter__(self) -> AdapterFile:
         return self
@@ -439,7 +439,7 @@ def _is_module_name(file_format: str, name: str) -> bool:
     return in_component if file_format == PEFT else in_component or name.startswith(tuple(KOHYA_PREFIXES))
 
 
-def _peft_configs(metadata: dict[str, str]) -> dict[str, dict[str, Any]]:
+def peft_configs(metadata: dict[str, str]) -> dict[str, dict[str, Any]]:
     """component → its LoraConfig as diffusers stores it (`lora_adapter_metadata`, keys prefixed
     `unet.`, `text_encoder.`, …); empty without metadata."""
     try:

@@ -14,6 +14,7 @@ Each adapted layer becomes a group of tensors named `lora_<unet|te1|te2>_<module
 
 from __future__ import annotations
 
+import collections
 import datetime
 import json
 from collections.abc import Mapping
@@ -148,8 +149,10 @@ def _metadata(module: torch.nn.Module, layers: list[Any], title: str) -> dict[st
     network_args = kind.kohya_network_args(config)
     convs = [layer for layer in layers if isinstance(layer.get_base_layer(), torch.nn.Conv2d)]
     if convs:
-        network_args["conv_dim"] = str(convs[0].r[ADAPTER])
-        network_args["conv_alpha"] = f"{getattr(convs[0], kind.alpha_field)[ADAPTER]:g}"
+        # the most common: convolutions may keep ranks of their own (adapter.init_from, peft's rank_pattern)
+        conv_rank, conv_alpha = collections.Counter((layer.r[ADAPTER], getattr(layer, kind.alpha_field)[ADAPTER])
+                                                    for layer in convs).most_common(1)[0][0]
+        network_args["conv_dim"], network_args["conv_alpha"] = str(conv_rank), f"{conv_alpha:g}"
     metadata = {
         "ss_network_module": "lycoris.kohya" if network_args.get("algo") else "networks.lora",
         "ss_network_dim": str(config.r),
