@@ -40,14 +40,14 @@ DORA_8 = {"adapter.rank": 8, "adapter.alpha": 8}
 DORA_32 = {"adapter.rank": 32, "adapter.alpha": 32}
 
 
-def train(name: str, overrides: dict[str, Any], work: Path, steps: int) -> Path:
-    """One quickstart run with `overrides` and no eval; its output folder."""
+def train(name: str, overrides: dict[str, Any], work: Path, steps: int, smoke: bool) -> Path:
+    """One quickstart run with `overrides` and no eval (--smoke: in this process); its output folder."""
     settings = {"run.output_root": str(work / "runs"), "run.name": name, "training.num_steps": steps,
                 "training.checkpoint_every": 10**6, "training.tensorboard.enabled": False,
                 "eval.live.enabled": False, "eval.final.enabled": False, "export.save_single_file": False,
                 "data.latent_cache.cache_dir": str(work / "latents"), "data.text_cache.cache_dir": str(work / "text"),
                 "data.scan_cache_dir": str(work / "scan"), **overrides}
-    train_quickstart(name, settings)
+    train_quickstart(name, settings, in_process=smoke)
     return work / "runs" / name
 
 
@@ -142,8 +142,9 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         start = time.perf_counter()
-        full = train("full", FULL, work, steps)
-        dora_8, dora_32 = train("dora8", DORA_8, work, steps), train("dora32", DORA_32, work, steps)
+        full = train("full", FULL, work, steps, args.smoke)
+        dora_8, dora_32 = (train(name, overrides, work, steps, args.smoke)
+                           for name, overrides in (("dora8", DORA_8), ("dora32", DORA_32)))
         print(f"trained in {time.perf_counter() - start:.0f} s", flush=True)
         base, tuned = load_pipeline(ModelConfig(id="builtin:tiny-sdxl")), load_pipeline(ModelConfig(id=str(full)))
         judge = Judge(work, args.smoke)

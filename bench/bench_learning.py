@@ -61,15 +61,15 @@ def write_reg_images(folder: Path) -> None:
         (folder / f"reg_{seed}.txt").write_text(caption(scene) + "\n", encoding="utf-8")
 
 
-def train(name: str, overrides: dict[str, Any], work: Path, steps: int) -> dict[str, Any]:
-    """One quickstart run with `overrides`; the eval entries of its run summary."""
+def train(name: str, overrides: dict[str, Any], work: Path, steps: int, smoke: bool) -> dict[str, Any]:
+    """One quickstart run with `overrides` (--smoke: in this process); the eval entries of its run summary."""
     settings = {"run.output_root": str(work / "runs"), "run.name": "run" + "".join(c for c in name if c.isalnum()),
                 "training.num_steps": steps, "training.checkpoint_every": 10**6,
                 "training.tensorboard.enabled": False, "eval.live.every_n_steps": EVAL_EVERY,
                 "eval.live.at_start": True, "data.latent_cache.cache_dir": str(work / "latents"),
                 "data.text_cache.cache_dir": str(work / "text"), "data.scan_cache_dir": str(work / "scan"),
                 "export.save_single_file": False, **overrides}
-    train_quickstart(name, settings)
+    train_quickstart(name, settings, in_process=smoke)
     output = work / "runs" / settings["run.name"]
     return {"evals": json.loads((output / "run_summary.json").read_text())["eval"], "output": output}
 
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
                                                            {"image_dir": str(work / "reg"), "is_reg": True}]}
             if args.smoke:
                 overrides = {**overrides, "eval.num_inference_steps": 2, "eval.live.every_n_steps": 2}
-            result = train(name, overrides, work, steps)
+            result = train(name, overrides, work, steps, args.smoke)
             rows.append(row_of(name, result["evals"]))
             if not pictures:
                 live = result["output"] / "eval" / "live"

@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import RESULTS, ROOT, bench_args, quiet_env, write_results
+from bench.common import RESULTS, ROOT, bench_args, run_train_sdxl, write_results
 
 SDXL = "stabilityai/stable-diffusion-xl-base-1.0"  # not downloaded: planned with SDXL base 1.0's shapes
 SECTIONS = ("tiny", "full_cpu", "gpu", "anchors")
@@ -57,9 +57,8 @@ def options(parser: argparse.ArgumentParser) -> None:
 
 
 def tiny_rows(smoke: bool) -> list[dict[str, Any]]:
-    """Real CPU runs of the quickstart config with each change, planned and measured."""
-    import subprocess
-
+    """Real CPU runs of the quickstart config with each change, planned and measured (the tracked
+    tensor bytes, not the process's RSS: --smoke runs its one in this process)."""
     rows = []
     for name, changes in list(TINY_CASES.items())[:1 if smoke else None]:
         with tempfile.TemporaryDirectory() as folder:
@@ -76,8 +75,7 @@ def tiny_rows(smoke: bool) -> list[dict[str, Any]]:
                 config["data"].setdefault(cache, {})["cache_dir"] = f"{folder}/{cache}"
             path = Path(folder) / "config.json"
             path.write_text(json.dumps(config))
-            subprocess.run([sys.executable, str(ROOT / "train_sdxl.py"), "--config", str(path)], check=True,
-                           env=quiet_env(), capture_output=True)
+            run_train_sdxl(name, ["--config", str(path)], in_process=smoke)
             memory = json.loads((Path(folder) / "quickstart" / "run_summary.json").read_text())["memory"]
         rows.append({"run": name, "planned_MB": memory["planned_peak_bytes"] / 1e6,
                      "measured_MB": memory["measured_peak_bytes"] / 1e6,

@@ -47,14 +47,11 @@ def mode_config(tmp: Path, mode: str, steps: int) -> dict[str, Any]:
     return config
 
 
-def encoder_flops() -> dict[str, float]:
-    """Forward FLOPs of each full-size encoder for one caption (77 tokens), on the meta device."""
+def encoder_flops(modules: dict[str, Any]) -> dict[str, float]:
+    """Forward FLOPs of each full-size encoder (of sdxl_modules("meta")) for one caption (77 tokens)."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from bench.sdxl_arch import sdxl_modules
-
-    modules = sdxl_modules("meta")
     ids = torch.zeros((1, 77), dtype=torch.long, device="meta")
     flops = {}
     for name in ("text_encoder", "text_encoder_2"):
@@ -64,14 +61,11 @@ def encoder_flops() -> dict[str, float]:
     return flops
 
 
-def unet_step_flops() -> float:
-    """Forward and backward FLOPs of the full-size UNet for one 1024² image (128² latents)."""
+def unet_step_flops(unet) -> float:
+    """Forward and backward FLOPs of the full-size UNet (on the meta device) for one 1024² image (128² latents)."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
 
-    from bench.sdxl_arch import sdxl_modules
-
-    unet = sdxl_modules("meta")["unet"]
     with torch.device("meta"), FlopCounterMode(display=False) as counter:
         sample = torch.randn(1, 4, 128, 128, requires_grad=False)
         conditioning = {"text_embeds": torch.randn(1, 1280), "time_ids": torch.randn(1, 6)}
@@ -137,7 +131,10 @@ def main(argv: list[str] | None = None) -> None:
         sizes = entry_bytes(Path(tmp))
         captions = ["tok, a red circle, green background, small pattern", "tok, a blue square, yellow background"]
         conditioning = conditioning_ms(Path(tmp), captions, 1 if args.smoke else 5)
-    flops, unet = encoder_flops(), unet_step_flops()
+    from bench.sdxl_arch import sdxl_modules
+
+    modules = sdxl_modules("meta")  # built once for both counts (a full-size build takes seconds)
+    flops, unet = encoder_flops(modules), unet_step_flops(modules["unet"])
     medians = {mode: statistics.median(seconds) for mode, seconds in times.items()}
     rows = [{"step": mode, "ms_per_step": medians[mode] * 1e3,
              "vs_uncached": medians[mode] / medians[BASELINES.get(mode, mode)],

@@ -4,6 +4,8 @@ results as JSON plus a markdown table."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import platform
@@ -118,12 +120,29 @@ def _cell(value: Any) -> str:
     return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
-def train_quickstart(name: str, settings: dict[str, Any]) -> None:
-    """`train_sdxl.py` on configs/quickstart.json with `settings` as `--set` overrides, in a fresh
-    interpreter; a failure raises with the end of its stderr."""
-    command = [sys.executable, str(ROOT / "train_sdxl.py"), "--config", str(ROOT / "configs" / "quickstart.json")]
+def run_train_sdxl(name: str, args: list[str], in_process: bool = False) -> None:
+    """`train_sdxl.py ARGS` in a fresh interpreter, or with `in_process` in this one, its output
+    captured (for smoke runs, which measure nothing of the process: no interpreter's imports to
+    pay again); a failure raises with the end of its stderr."""
+    if in_process:
+        import train_sdxl
+
+        stdout, stderr = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = train_sdxl.main(args)
+        errors = stderr.getvalue()
+    else:
+        result = subprocess.run([sys.executable, str(ROOT / "train_sdxl.py"), *args], cwd=ROOT, env=quiet_env(),
+                                capture_output=True, text=True)
+        code, errors = result.returncode, result.stderr
+    if code != 0:
+        raise RuntimeError(f"{name}: train_sdxl.py failed:\n{errors[-3000:]}")
+
+
+def train_quickstart(name: str, settings: dict[str, Any], in_process: bool = False) -> None:
+    """`train_sdxl.py` on configs/quickstart.json with `settings` as `--set` overrides (in a fresh
+    interpreter unless `in_process`: see run_train_sdxl)."""
+    args = ["--config", str(ROOT / "configs" / "quickstart.json")]
     for key, value in settings.items():
-        command += ["--set", f"{key}={json.dumps(value)}"]
-    result = subprocess.run(command, cwd=ROOT, env=quiet_env(), capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"{name}: train_sdxl.py failed:\n{result.stderr[-3000:]}")
+        args += ["--set", f"{key}={json.dumps(value)}"]
+    run_train_sdxl(name, args, in_process)

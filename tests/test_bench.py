@@ -1,5 +1,7 @@
-"""The benchmarks must keep running: each one's smoke mode, in a fresh interpreter, writes results
-whose measurements are finite and positive. Timings are never asserted here (bench/ measures)."""
+"""The benchmarks must keep running: each one's smoke mode writes results whose measurements are
+finite and positive. `bench/run_all.py --smoke` runs them all once, in one fresh interpreter (one
+set of imports for all); each test checks its own benchmark's files. Timings are never asserted
+here (bench/ measures)."""
 
 from __future__ import annotations
 
@@ -16,11 +18,15 @@ from tests.helpers import ROOT
 pytestmark = pytest.mark.slow  # each runs a benchmark script (make test-fast leaves them out)
 
 
-def run_bench(script: str, results: Path, *args: str) -> None:
-    """`python bench/<script> --smoke` as a user runs it (the tiny model comes from the test cache)."""
-    result = subprocess.run([sys.executable, str(ROOT / "bench" / script), "--smoke", "--results-dir", str(results),
-                             *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+@pytest.fixture(scope="module")
+def results(tiny_sdxl_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`python bench/run_all.py --smoke` as a user runs it (the tiny model comes from the test
+    cache): every benchmark's smoke mode, its results in the folder returned."""
+    folder = tmp_path_factory.mktemp("bench-results")
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "run_all.py"), "--smoke", "--results-dir",
+                             str(folder)], cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stderr[-3000:]
+    return folder
 
 
 def rows_of(path: Path) -> list[dict]:
@@ -36,9 +42,9 @@ def assert_positive(row: dict, *fields: str) -> None:
         assert isinstance(value, float | int) and math.isfinite(value) and value > 0, (field, row)
 
 
-def test_gpu_benchmark_smoke_runs_on_the_cpu(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
-    run_bench("gpu_sdxl.py", tmp_path, "--peak-tflops", "1")
-    rows = rows_of(tmp_path / "gpu_sdxl_smoke.json")
+def test_gpu_benchmark_smoke_runs_on_the_cpu(results: Path) -> None:
+    """bench/gpu_sdxl.py --smoke --peak-tflops 1 (the peak run_all gives it, so that MFU is computed)."""
+    rows = rows_of(results / "gpu_sdxl_smoke.json")
     assert {(r["mode"], r["batch"], r["grad_ckpt"]) for r in rows} == {
         (mode, batch, ckpt) for mode in ("DoRA rank 4", "full") for batch in (1, 2) for ckpt in ("off", "on")}
     for row in rows:
@@ -47,10 +53,8 @@ def test_gpu_benchmark_smoke_runs_on_the_cpu(tiny_sdxl_dir: Path, tmp_path: Path
                         "MFU_percent")
 
 
-def test_cpu_benchmarks_smoke(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
-    run_bench("run_all.py", tmp_path)
-
-    step = {row["step"]: row for row in rows_of(tmp_path / "step.json")}
+def test_cpu_benchmarks_smoke(results: Path) -> None:
+    step = {row["step"]: row for row in rows_of(results / "step.json")}
     assert any(name.startswith("bare loop") for name in step)
     for name, row in step.items():
         assert_positive(row, "ms_per_step", "vs_bare")
@@ -58,56 +62,54 @@ def test_cpu_benchmarks_smoke(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
             assert_positive(row, "trainable_params_M")
     assert_positive(step["train_sdxl.train(), DoRA rank 4"], "peak_rss_MB")
 
-    text_cache = {row["step"]: row for row in rows_of(tmp_path / "text_cache.json")}
+    text_cache = {row["step"]: row for row in rows_of(results / "text_cache.json")}
     assert len(text_cache) == 12  # 4 step modes, 2 conditioning rows, 6 full-size measures
     for name, row in text_cache.items():
         assert_positive(row, "value" if name.startswith("full size") else "vs_uncached")
     # Exact at full size: (77×768 + 77×1280 + 1280) bf16 values and two safetensors headers.
     assert 317_952 < text_cache["full size: bytes per cached caption, both encoders, bf16"]["value"] < 320_000
 
-    for row in rows_of(tmp_path / "data.json"):
+    for row in rows_of(results / "data.json"):
         assert_positive(row, "seconds", "images_per_s")
 
-    convert = rows_of(tmp_path / "convert.json")
+    convert = rows_of(results / "convert.json")
     assert len(convert) == 2  # the copy and the converter (--smoke leaves out --half)
     for row in convert:
         assert_positive(row, "seconds", "vs_copy", "MB_per_s", "peak_rss_MB")
 
-    startup = {row["command"]: row for row in rows_of(tmp_path / "startup.json")}
+    startup = {row["command"]: row for row in rows_of(results / "startup.json")}
     for name in ("train_sdxl.py --help", "train_sdxl.py --dry-run (quickstart)"):
         assert_positive(startup[name], "seconds", "peak_rss_MB")
 
-    learning = rows_of(tmp_path / "learning.json")
+    learning = rows_of(results / "learning.json")
     assert [row["method"] for row in learning] == ["DoRA rank 4 (quickstart)", "LoRA rank 4"]
     for row in learning:  # accuracies are fractions; at 4 steps they may well be 0
         assert {"concept@0", "concept@2", "concept@4", "concept_final", "prior_final"} <= row.keys()
         assert all(0.0 <= row[key] <= 1.0 for key in row if key != "method")
-    assert (tmp_path / "learning_grid.png").stat().st_size > 1000
+    assert (results / "learning_grid.png").stat().st_size > 1000
 
-    for row in rows_of(tmp_path / "fused.json"):  # fused backward frees every gradient during backward
+    for row in rows_of(results / "fused.json"):  # fused backward frees every gradient during backward
         assert_positive(row, "ordinary_s", "fused_s", "time_ratio", "saved_MB")
         assert row["fused_peak_MB"] < row["ordinary_peak_MB"]
 
-    preflight = rows_of(tmp_path / "preflight.json")
+    preflight = rows_of(results / "preflight.json")
     assert [(row["images"], row["scan_cache"], row["workers"]) for row in preflight] == [
         (12, "cold", 1), (12, "cold", 2), (12, "warm", 2)]
     for row in preflight:
         assert_positive(row, "seconds", "peak_rss_MB")
 
 
-def test_memory_benchmark_smoke(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
+def test_memory_benchmark_smoke(results: Path) -> None:
     """One real run of the tiny model against its plan (bench/bench_memory.py --smoke)."""
-    run_bench("bench_memory.py", tmp_path)
-    (row,) = rows_of(tmp_path / "memory_smoke.json")
+    (row,) = rows_of(results / "memory_smoke.json")
     assert row["run"] == "DoRA rank 4 (quickstart)"
     assert_positive(row, "planned_MB", "measured_MB")
     assert 0.95 <= row["measured_over_planned"] <= 1.05
 
 
-def test_adapter_benchmark_smoke(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
+def test_adapter_benchmark_smoke(results: Path) -> None:
     """Three 2-step runs, extraction at two ranks, the resize and the judge (bench/bench_adapters.py --smoke)."""
-    run_bench("bench_adapters.py", tmp_path)
-    adapters = {(row["model"], row["rank"]): row for row in rows_of(tmp_path / "adapters_smoke.json")}
+    adapters = {(row["model"], row["rank"]): row for row in rows_of(results / "adapters_smoke.json")}
     assert len(adapters) == 9  # the full fine-tune, LoRA and DoRA at 2 ranks, one randomized, 3 for the resize
     for rank in (4, 8):  # after 2 steps the update is small, but a rank-r cut of it is not exact
         assert 0 < adapters[("LoRA extracted", rank)]["update_error"] < 1
@@ -116,10 +118,9 @@ def test_adapter_benchmark_smoke(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_quantized_base_benchmark_smoke(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
+def test_quantized_base_benchmark_smoke(results: Path) -> None:
     """An fp8 base against its plan and the full-precision base's step (bench/bench_quantized_base.py --smoke)."""
-    run_bench("bench_quantized_base.py", tmp_path)
-    rows = rows_of(tmp_path / "quantized_base_smoke.json")
+    rows = rows_of(results / "quantized_base_smoke.json")
     assert [row["base"] for row in rows] == ["none", "float8_e4m3fn"]
     assert_positive(rows[1], "planned_MB", "measured_MB", "step_s")
     assert 0.95 <= rows[1]["measured_over_planned"] <= 1.05
