@@ -25,7 +25,7 @@ from sdxl_trainer.diffusion import (
 from sdxl_trainer.eval.evaluator import validation_batches
 from sdxl_trainer.latent_cache import LatentCache
 from sdxl_trainer.models import load_pipeline
-from tests.helpers import DATA_DIR, run_cli, tiny_config, write_config
+from tests.helpers import DATA_DIR, tiny_config, train_here, write_config
 from tests.test_resume import final_weights
 
 BUCKETS = {"resolutions": [[64, 64], [96, 64], [64, 96]], "divisible_by": 32, "batch_size": 2}
@@ -216,7 +216,7 @@ def test_file_name_captions_and_a_bad_metadata_line(tmp_path: Path) -> None:
         "red car at night"
     (folder / "metadata.jsonl").write_text('{"file_name": "red_car_at_night.png", "text": "x"}\n{oops\n')
     config = tiny_config(tmp_path, data={"image_dir": str(folder), "caption_source": "metadata"})
-    result = run_cli("train_sdxl.py", "--dry-run", "--config", str(write_config(tmp_path / "c.json", config)))
+    result = train_here("--dry-run", "--config", str(write_config(tmp_path / "c.json", config)))
     assert result.returncode == 2 and "metadata.jsonl, line 2: not JSON" in result.stderr
     assert "Traceback" not in result.stderr
 
@@ -276,7 +276,7 @@ def make_subset_folders(root: Path) -> None:
 def test_resume_with_subsets_repeats_reg_and_masks_is_bit_exact(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
     make_subset_folders(tmp_path / "data")
     straight = subsets_config(tmp_path / "straight", tmp_path / "data")
-    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "straight.json", straight)))
+    result = train_here("--config", str(write_config(tmp_path / "straight.json", straight)))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "subset 3" in result.stdout and "(regularization)" in result.stdout
     summary = json.loads((tmp_path / "straight" / "out" / "test_run" / "run_summary.json").read_text())
@@ -284,7 +284,7 @@ def test_resume_with_subsets_repeats_reg_and_masks_is_bit_exact(tmp_path: Path, 
                                                              summary["data"]["folders"]] == [6, 3, 9]
     checkpoint = tmp_path / "straight" / "out" / "test_run" / "checkpoints" / "checkpoint-3"
     resumed = subsets_config(tmp_path / "resumed", tmp_path / "data", resume_from=str(checkpoint))
-    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "resumed.json", resumed)))
+    result = train_here("--config", str(write_config(tmp_path / "resumed.json", resumed)))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "at step 3" in result.stdout
     first = final_weights(tmp_path / "straight" / "out" / "test_run")
@@ -299,7 +299,7 @@ def test_one_folder_as_a_subset_trains_exactly_as_data_image_dir(tmp_path: Path,
     as_subset = tiny_config(tmp_path / "subset", training={"num_steps": 3})
     as_subset["data"]["subsets"] = [{"image_dir": as_subset["data"].pop("image_dir")}]
     for name, config in (("plain", plain), ("subset", as_subset)):
-        result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / f"{name}.json", config)))
+        result = train_here("--config", str(write_config(tmp_path / f"{name}.json", config)))
         assert result.returncode == 0, result.stderr[-3000:]
     first = final_weights(tmp_path / "plain" / "out" / "test_run")
     second = final_weights(tmp_path / "subset" / "out" / "test_run")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.helpers import ROOT, run_cli, tiny_config, write_config
+from tests.helpers import ROOT, tiny_config, train_here, write_config
 
 pytestmark = pytest.mark.slow  # every test here trains (make test-fast leaves them out)
 
@@ -32,8 +32,7 @@ def test_live_eval_writes_images_and_val_loss_without_changing_training(tmp_path
 
     with_eval, without = tmp_path / "with", tmp_path / "without"
     for folder, live in ((with_eval, True), (without, False)):
-        result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / f"{folder.name}.json",
-                                                                        eval_config(folder, live))))
+        result = train_here("--config", str(write_config(tmp_path / f"{folder.name}.json", eval_config(folder, live))))
         assert result.returncode == 0, result.stderr[-3000:]
     run = with_eval / "out" / "test_run"
     for step in (2, 4):
@@ -62,7 +61,7 @@ def test_invalid_final_images_fail_the_run(tmp_path: Path, tiny_sdxl_dir: Path) 
     tensors["decoder.conv_out.bias"] = torch.full_like(tensors["decoder.conv_out.bias"], float("nan"))
     save_file(tensors, weights)
     config = eval_config(tmp_path, live=False, model={"id": str(model)})
-    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "c.json", config)))
+    result = train_here("--config", str(write_config(tmp_path / "c.json", config)))
     assert result.returncode == 1
     assert "3 final eval image(s) are invalid" in result.stderr
     assert "NaN" in result.stderr
@@ -77,11 +76,11 @@ def test_invalid_final_images_fail_the_run(tmp_path: Path, tiny_sdxl_dir: Path) 
 def test_eval_without_prompts_file_is_a_config_error(tmp_path: Path) -> None:
     config = eval_config(tmp_path, live=True)
     config["eval"]["prompts_path"] = None
-    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "c.json", config)))
+    result = train_here("--config", str(write_config(tmp_path / "c.json", config)))
     assert result.returncode == 2
     assert "eval.prompts_path is required" in result.stderr
     config["eval"]["prompts_path"] = PROMPTS
     config["eval"]["sampler_name"] = "euler"
     config["eval"]["scheduler"] = "karras-ish"
-    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "c.json", config)))
+    result = train_here("--config", str(write_config(tmp_path / "c.json", config)))
     assert result.returncode == 2 and "karras-ish" in result.stderr and "karras" in result.stderr

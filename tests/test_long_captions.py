@@ -20,7 +20,7 @@ from sdxl_trainer.models import load_pipeline, with_components
 from sdxl_trainer.planning import plan_run
 from sdxl_trainer.recorded_encoder import record_encoder
 from sdxl_trainer.text_cache import CachedEncoder, TextCache, build_text_cache, encoder_spec
-from tests.helpers import DATA_DIR, run_cli, tiny_config, write_config
+from tests.helpers import DATA_DIR, tiny_config, train_here, write_config
 from tests.test_evaluation import eval_config
 from tests.test_resume import final_weights
 
@@ -201,7 +201,7 @@ def test_the_preflight_counts_the_captions_it_cuts(tmp_path: Path, tiny_sdxl_dir
         load_config(path)).preflight
     read = plan_run(load_config(path, ["data.max_token_length=150"])).preflight
     assert "captions: up to 150 tokens (2 chunks of 75); 0 of 4 longer, cut there\n" in read
-    wrong = run_cli("train_sdxl.py", "--dry-run", "--config", str(path), "--set", "data.max_token_length=100")
+    wrong = train_here("--dry-run", "--config", str(path), "--set", "data.max_token_length=100")
     assert wrong.returncode == 2 and "data.max_token_length" in wrong.stderr
     assert len(wrong.stderr.strip().splitlines()) == 1 and "Traceback" not in wrong.stderr
 
@@ -216,7 +216,7 @@ def test_training_on_long_captions_is_the_same_with_and_without_the_text_cache(t
                              training={"num_steps": 2})
         config["data"].update(image_dir=str(images), max_token_length=150)
         config["data"]["text_cache"]["enabled"] = cache_on
-        result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / f"{cache_on}.json", config)))
+        result = train_here("--config", str(write_config(tmp_path / f"{cache_on}.json", config)))
         assert result.returncode == 0, result.stderr[-3000:]
         assert "captions: up to 150 tokens (2 chunks of 75); 0 of 4 longer" in result.stdout
         weights.append(final_weights(tmp_path / str(cache_on) / "out" / "test_run"))

@@ -22,7 +22,7 @@ from sdxl_trainer.quantized_base import (
     quantize_int8,
     quantize_module,
 )
-from tests.helpers import run_cli, tiny_config, write_config
+from tests.helpers import run_cli, tiny_config, train_here, write_config
 
 CPU = torch.device("cpu")
 DORA = AdapterConfig(type="dora", rank=4, alpha=4, targets="all")
@@ -248,9 +248,9 @@ def test_resume_over_an_fp8_base_is_bit_exact(tmp_path: Path, tiny_sdxl_dir: Pat
                              training={"num_steps": 4, "checkpoint_every": 2, "mixed_precision": "bf16", **training})
         return write_config(tmp_path / f"{folder}.json", values)
 
-    assert run_cli("train_sdxl.py", "--config", str(config("straight"))).returncode == 0
+    assert train_here("--config", str(config("straight"))).returncode == 0
     checkpoint = tmp_path / "straight" / "out" / "test_run" / "checkpoints" / "checkpoint-2"
-    result = run_cli("train_sdxl.py", "--config", str(config("resumed", resume_from=str(checkpoint))))
+    result = train_here("--config", str(config("resumed", resume_from=str(checkpoint))))
     assert result.returncode == 0, result.stderr[-3000:]
     first, second = (load_file(tmp_path / name / "out" / "test_run" / "pytorch_lora_weights.safetensors")
                      for name in ("straight", "resumed"))

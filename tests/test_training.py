@@ -15,7 +15,7 @@ from sdxl_trainer.diffusion import Draws, LossModels, diffusion_loss, make_noise
 from sdxl_trainer.models import load_pipeline
 from sdxl_trainer.optimizers import make_optimizer
 from sdxl_trainer.training_setup import prepare_trainable
-from tests.helpers import run_cli, tiny_config, write_config
+from tests.helpers import run_cli, tiny_config, train_here, write_config
 
 
 def fixed_batch(config) -> dict:
@@ -59,7 +59,9 @@ def test_loss_at_fixed_noise_and_timesteps_falls(tmp_path: Path, tiny_sdxl_dir: 
 
 @pytest.fixture(scope="module")
 def dora_run(tmp_path_factory: pytest.TempPathFactory, tiny_sdxl_dir: Path) -> Path:
-    """A short DoRA run through the CLI: 6 steps, a checkpoint every 2, keep the newest 2."""
+    """A short DoRA run through the CLI: 6 steps, a checkpoint every 2, keep the newest 2. In a fresh
+    interpreter: the run a user starts, and the same-seed test repeats it in this process (two
+    processes, the same weights)."""
     tmp_path = tmp_path_factory.mktemp("dora_run")
     config = tiny_config(tmp_path, training={"num_steps": 6, "checkpoint_every": 2, "checkpoints_total_limit": 2})
     result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "c.json", config)))
@@ -118,7 +120,7 @@ def test_same_seed_gives_identical_weights(tmp_path: Path, dora_run: Path) -> No
     from safetensors.torch import load_file
 
     config = tiny_config(tmp_path, training={"num_steps": 6, "checkpoint_every": 2, "checkpoints_total_limit": 2})
-    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "c.json", config)))
+    result = train_here("--config", str(write_config(tmp_path / "c.json", config)))
     assert result.returncode == 0, result.stderr[-3000:]
     first = load_file(dora_run / "out" / "test_run" / "pytorch_lora_weights.safetensors")
     second = load_file(tmp_path / "out" / "test_run" / "pytorch_lora_weights.safetensors")
@@ -131,7 +133,7 @@ def test_full_fine_tune_output_loads_with_from_pretrained(tmp_path: Path, tiny_s
     from diffusers import StableDiffusionXLPipeline
 
     config = tiny_config(tmp_path, adapter={"type": "none"}, training={"num_steps": 2, "lr_unet": 1e-4})
-    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "c.json", config)))
+    result = train_here("--config", str(write_config(tmp_path / "c.json", config)))
     assert result.returncode == 0, result.stderr[-3000:]
     trained = StableDiffusionXLPipeline.from_pretrained(tmp_path / "out" / "test_run")
     base = StableDiffusionXLPipeline.from_pretrained(tiny_sdxl_dir)

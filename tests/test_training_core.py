@@ -37,7 +37,7 @@ from sdxl_trainer.precision import (
     plan_precision,
 )
 from sdxl_trainer.training_setup import prepare_trainable
-from tests.helpers import run_cli, tiny_config, write_config
+from tests.helpers import tiny_config, train_here, write_config
 
 SDXL_SCHEDULER = {"num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012,
                   "beta_schedule": "scaled_linear", "prediction_type": "epsilon"}
@@ -156,7 +156,7 @@ def test_the_configured_schedule_drives_every_param_group(tmp_path: Path, tiny_s
     config = tiny_config(tmp_path, training={"num_steps": 6, "log_every": 1, "lr_unet": 1e-3,
                                              "lr_text_encoder_1": 5e-4,
                                              "lr_scheduler": {"type": "linear_decay", "warmup_steps": 2}})
-    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "c.json", config)))
+    result = train_here("--config", str(write_config(tmp_path / "c.json", config)))
     assert result.returncode == 0, result.stderr[-2000:]
     events = EventAccumulator(str(tmp_path / "tb" / "test_run"))
     events.Reload()
@@ -191,7 +191,7 @@ def test_ema_run_saves_the_averaged_weights(tmp_path: Path, tiny_sdxl_dir: Path)
     averaged = tiny_config(tmp_path / "ema", training={"num_steps": 4, "ema_update_every": 1},
                            model={"use_ema": True, "ema_decay": 0.5})
     for config, folder in ((plain, tmp_path / "plain"), (averaged, tmp_path / "ema")):
-        result = run_cli("train_sdxl.py", "--config", str(write_config(folder / "c.json", config)))
+        result = train_here("--config", str(write_config(folder / "c.json", config)))
         assert result.returncode == 0, result.stderr[-2000:]
     first = load_file(tmp_path / "plain" / "out" / "test_run" / "pytorch_lora_weights.safetensors")
     second = load_file(tmp_path / "ema" / "out" / "test_run" / "pytorch_lora_weights.safetensors")
@@ -323,7 +323,7 @@ def test_every_adapter_kind_trains_and_exports_in_every_precision(tmp_path: Path
 def test_full_bf16_weights_train_with_stochastic_rounding(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
     config = tiny_config(tmp_path, adapter={"type": "none"}, model={"weights_dtype": "bf16"},
                          training={"num_steps": 2, "mixed_precision": "bf16", "lr_unet": 1e-4})
-    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "c.json", config)))
+    result = train_here("--config", str(write_config(tmp_path / "c.json", config)))
     assert result.returncode == 0, result.stderr[-2000:]
     assert "  unet             bf16      bf16     bf16" in result.stdout
 
@@ -391,7 +391,7 @@ def test_nan_skip_continues_and_too_many_skips_abort(tmp_path: Path, tiny_sdxl_d
 def test_fp16_dora_with_a_huge_learning_rate_aborts_cleanly(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
     config = tiny_config(tmp_path, training={"num_steps": 40, "mixed_precision": "fp16", "lr_unet": 1e4,
                                              "lr_text_encoder_1": 1e4, "checkpoint_every": 1})
-    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "c.json", config)))
+    result = train_here("--config", str(write_config(tmp_path / "c.json", config)))
     assert result.returncode == 1, result.stdout[-2000:]
     assert "NaN/Inf" in result.stderr
     output = tmp_path / "out" / "test_run"
@@ -403,10 +403,10 @@ def test_fp16_dora_with_a_huge_learning_rate_aborts_cleanly(tmp_path: Path, tiny
 def test_attention_backend_is_chosen_and_a_missing_package_is_a_config_error(tmp_path: Path,
                                                                              tiny_sdxl_dir: Path) -> None:
     config = tiny_config(tmp_path, model={"attention": "flash"})
-    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "c.json", config)))
+    result = train_here("--config", str(write_config(tmp_path / "c.json", config)))
     assert result.returncode == 2 and "flash_attn" in result.stderr and "pip install" in result.stderr
     config = tiny_config(tmp_path, training={"num_steps": 1},
                          model={"use_torch_compile": True, "torch_compile_kwargs": {"backend": "eager"}})
-    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "c.json", config)))
+    result = train_here("--config", str(write_config(tmp_path / "c.json", config)))
     assert result.returncode == 0, result.stderr[-2000:]
     assert "attention: sdpa" in result.stdout
