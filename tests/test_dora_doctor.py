@@ -44,7 +44,7 @@ from sdxl_trainer.formats.adapter_files import (
 )
 from sdxl_trainer.formats.kohya_format import kohya_module_name
 from sdxl_trainer.formats.safetensors_stream import StreamWriter, TensorSpec
-from tests.helpers import ROOT, run_cli, tiny_config, write_config
+from tests.helpers import ROOT, run_cli, tiny_config, train_here, write_config
 
 TINY = "builtin:tiny-sdxl"
 RUN_NAME = "test_run"
@@ -69,7 +69,7 @@ def run_output(tmp_path_factory: pytest.TempPathFactory, tiny_sdxl_dir: Path) ->
         training={"num_steps": 2, "checkpoint_every": 1, "output_dir": str(tmp / "output")},
         export={"adapter_formats": ["diffusers", "kohya"]},
     )
-    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp / "config.json", config)))
+    result = train_here("--config", str(write_config(tmp / "config.json", config)))
     assert result.returncode == 0, result.stderr[-3000:]
     return tmp / "output"
 

@@ -26,7 +26,7 @@ from sdxl_trainer.formats.kohya_format import adapter_layers, kohya_module_name,
 from sdxl_trainer.formats.sgm_keys import KeyMapError
 from sdxl_trainer.models import load_pipeline
 from sdxl_trainer.training_setup import Trainable, prepare_trainable
-from tests.helpers import run_cli, tiny_config, write_config
+from tests.helpers import tiny_config, train_here, write_config
 from tests.test_converter import SDXL_UNET
 
 COMPONENTS = ("unet", "vae", "text_encoder", "text_encoder_2")
@@ -302,7 +302,7 @@ def _train(tmp_path: Path, latent_cache: Path, **sections) -> Path:
     config = tiny_config(tmp_path, **sections)
     config["training"]["num_steps"] = 2
     config["data"]["latent_cache"]["cache_dir"] = str(latent_cache)
-    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "config.json", config)))
+    result = train_here("--config", str(write_config(tmp_path / "config.json", config)))
     assert result.returncode == 0, result.stderr[-3000:]
     return tmp_path / "out" / "test_run"
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from sdxl_trainer.config import FUSABLE_OPTIMIZERS, ConfigError, OptimizerConfig, validate_config
 from sdxl_trainer.fused_backward import FusedBackward
 from sdxl_trainer.optimizers import make_optimizer
-from tests.helpers import run_cli, tiny_config, write_config
+from tests.helpers import tiny_config, train_here, write_config
 
 
 class Small(torch.nn.Module):
@@ -164,7 +164,7 @@ def test_a_fused_run_trains_and_checkpoints_exactly_like_an_ordinary_one(tmp_pat
         config = tiny_config(tmp_path / name, adapter={"type": "none"}, model={"train_text_encoder_1": False},
                              training={"num_steps": 4, "lr_unet": 1e-4, "checkpoint_every": 2, **training})
         config["optimizer"]["fused_backward"] = fused
-        result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / f"{name}.json", config)))
+        result = train_here("--config", str(write_config(tmp_path / f"{name}.json", config)))
         assert result.returncode == 0, result.stderr[-3000:]
         return tmp_path / name / "out" / "test_run"
 

@@ -13,7 +13,7 @@ from PIL import Image
 
 import dataset
 from sdxl_trainer.config import DataConfig
-from tests.helpers import run_cli, tiny_config, write_config
+from tests.helpers import tiny_config, train_here, write_config
 
 BACKGROUND = (10, 200, 30)
 
@@ -126,7 +126,7 @@ def test_a_run_over_damaged_data_proceeds_and_lists_what_it_skipped(zoo: Path, t
     config = tiny_config(tmp_path, training={"num_steps": 2})
     config["data"].update({"image_dir": str(zoo), "max_image_pixels": 1_000_000})
     config["data"]["latent_cache"] = {"cache_dir": str(tmp_path / "cache")}
-    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "c.json", config)))
+    result = train_here("--config", str(write_config(tmp_path / "c.json", config)))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "6 skipped" in result.stdout
     summary = json.loads((tmp_path / "out" / "test_run" / "run_summary.json").read_text())

@@ -12,7 +12,7 @@ import train_sdxl
 from sdxl_trainer.config import validate_config
 from sdxl_trainer.memory.plan import DeviceRules
 from sdxl_trainer.memory.tracker import LiveBytes
-from tests.helpers import run_cli, tiny_config, write_config
+from tests.helpers import tiny_config, train_here, write_config
 
 
 def mlp_steps(device: str) -> tuple[int, int]:
@@ -98,7 +98,7 @@ def test_a_plan_that_cannot_be_made_is_skipped_in_one_line(tmp_path, tiny_sdxl_d
     (folder / "unet" / "config.json").write_text("{not json", encoding="utf-8")
     config = tiny_config(tmp_path, model={"id": str(folder)})
     config["training"]["memory_check"] = "warn"
-    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "c.json", config)), "--dry-run")
+    result = train_here("--config", str(write_config(tmp_path / "c.json", config)), "--dry-run")
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith("memory plan")]
     assert lines == [f"memory plan: skipped (cannot read {folder / 'unet' / 'config.json'}: "
@@ -131,12 +131,14 @@ def test_every_optimizer_can_be_planned(tmp_path, tiny_sdxl_dir):
     from sdxl_trainer.config import OptimizerConfig
     from sdxl_trainer.memory.plan import StepShape, plan_memory
 
-    states = {}
+    plans = {}
     for kind in OptimizerConfig.model_fields["type"].annotation.__args__:
         scheduler = {"lr_scheduler": {"type": "constant"}} if kind == "adamw_schedulefree" else {}
         config = tiny_config(tmp_path, optimizer={"type": kind}, training={"lr_text_encoder_1": 1e-3, **scheduler})
-        states[kind] = plan_memory(validate_config(config), StepShape(1, 64, 64), "cpu").optimizer_state
-    trained = plan_memory(validate_config(tiny_config(tmp_path)), StepShape(1, 64, 64), "cpu").trained
+        plans[kind] = plan_memory(validate_config(config), StepShape(1, 64, 64), "cpu")
+    states = {kind: plan.optimizer_state for kind, plan in plans.items()}
+    trained = plans["adamw"].trained  # tiny_config's own optimizer and rates: the plain adapter run's
+    assert trained > 0 and {plan.trained for plan in plans.values()} == {trained}
     assert states["adamw"] > 2 * trained  # two moments (and a step counter per parameter)
     assert states["lion"] == trained  # one moment
     assert states["adafactor"] < states["adamw"]  # factored second moments

@@ -8,7 +8,7 @@ import json
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.helpers import run_cli, tiny_config, write_config
+from tests.helpers import tiny_config, train_here, write_config
 
 CASES = {
     "dora_ema_checkpointing": {"model": {"use_gradient_checkpointing": True, "use_ema": True, "ema_device": "same"},
@@ -29,7 +29,7 @@ def test_the_plan_matches_the_tracked_peak_of_a_real_run(case, tmp_path, tiny_sd
     config["training"].update(memory_check="warn", log_every=1, num_steps=3)
     config.setdefault("model", {}).update(CASES[case].get("model", {}))
     config["eval"] = {"live": {"enabled": False}, "final": {"enabled": False}}
-    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "c.json", config)))
+    result = train_here("--config", str(write_config(tmp_path / "c.json", config)))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "memory plan (cpu; batch 2" in result.stdout
     output = tmp_path / "out" / "test_run"

@@ -27,7 +27,7 @@ from sdxl_trainer.checkpointing import list_checkpoints, load_state, prune_check
 from sdxl_trainer.config import ConfigError, load_config
 from sdxl_trainer.output_folder import LEFTOVER, OutputLock, remove_leftovers
 from sdxl_trainer.planning import plan_run
-from tests.helpers import DATA_DIR, ROOT, run_cli, tiny_config, write_config
+from tests.helpers import DATA_DIR, ROOT, tiny_config, train_here, write_config
 from tests.test_preemptible import STEPS, Job
 from tests.test_resume import final_weights
 
@@ -153,7 +153,7 @@ def test_kill_9_at_random_moments_leaves_nothing_behind_and_the_weights_exact(
     an extra old checkpoint, as a kill between writing a checkpoint and pruning leaves them)."""
     settings = {"num_steps": STEPS, "checkpoint_every": 2, "checkpoints_total_limit": 2, "log_every": 1}
     straight = tiny_config(tmp_path / "straight", training=settings)
-    assert run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "s.json", straight))).returncode == 0
+    assert train_here("--config", str(write_config(tmp_path / "s.json", straight))).returncode == 0
     path = write_config(tmp_path / "job.json", tiny_config(tmp_path / "job", training=settings))
     out = tmp_path / "job" / "out" / "test_run"
     chance = random.Random(11)

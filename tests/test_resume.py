@@ -53,15 +53,18 @@ def optimizer_tensors(state_path: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 @pytest.mark.parametrize("adapter_type", ["dora", "none"])
 def test_stop_and_resume_gives_bit_identical_weights(tmp_path: Path, tiny_sdxl_dir: Path, adapter_type: str) -> None:
+    """The straight run trains in this process; DoRA's resume starts a fresh interpreter, as a resume
+    does in real life (nothing carried over in memory), the full fine-tune's resumes here."""
     straight = resumable_config(tmp_path / "straight", adapter_type)
-    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "straight.json", straight)))
+    result = train_here("--config", str(write_config(tmp_path / "straight.json", straight)))
     assert result.returncode == 0, result.stderr[-3000:]
     checkpoint = tmp_path / "straight" / "out" / "test_run" / "checkpoints" / "checkpoint-3"
     position = load_state(checkpoint / "trainer_state.pt").snapshot.position
     assert position == Position(step=3, epoch=0, batches_in_epoch=6)  # inside the first epoch of 9 batches
 
     resumed = resumable_config(tmp_path / "resumed", adapter_type, resume_from=str(checkpoint))
-    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "resumed.json", resumed)))
+    args = ("--config", str(write_config(tmp_path / "resumed.json", resumed)))
+    result = run_cli("train_sdxl.py", *args) if adapter_type == "dora" else train_here(*args)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resume: from" in result.stdout and "at step 3 (epoch 0, batch 6 of it)" in result.stdout
 
@@ -128,8 +131,8 @@ def test_sigkill_at_any_moment_leaves_loadable_checkpoints(tmp_path: Path, tiny_
             assert step == int(checkpoint.name.split("-")[1])
             assert load_file(checkpoint / "pytorch_lora_weights.safetensors")
     latest = max(int(p.name.split("-")[1]) for p in checkpoints.glob("checkpoint-*"))
-    result = run_cli("train_sdxl.py", "--config", str(path), "--set", "training.resume_from=latest",
-                     "--set", f"training.num_steps={latest + 2}")
+    result = train_here("--config", str(path), "--set", "training.resume_from=latest",
+                        "--set", f"training.num_steps={latest + 2}")
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"at step {latest} " in result.stdout
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -19,7 +20,7 @@ from sdxl_trainer.long_prompts import caption_ids
 from sdxl_trainer.models import load_pipeline
 from sdxl_trainer.planning import plan_run
 from sdxl_trainer.text_cache import CachedEncoder, TextCache, build_text_cache, encoder_spec
-from tests.helpers import ROOT, run_cli, tiny_config
+from tests.helpers import ROOT, tiny_config, train_here
 from tests.test_evaluation import eval_config
 
 SETTINGS = TextualInversionConfig(tokens=[{"token": "<qz>", "vectors": 2, "init_word": "circle"},
@@ -141,10 +142,12 @@ def test_the_preflight_checks_the_tokens_against_the_tokenizer_and_the_captions(
 
 
 def run_preset(name: str, output: Path, *overrides: str):
+    """The preset trained in this process, from the repository root (its paths are relative to it)."""
     settings = ["training.num_steps=4", "training.checkpoint_every=2", f"run.output_root={json.dumps(str(output))}",
                 "training.tensorboard.enabled=false", *overrides]
-    return run_cli("train_sdxl.py", "--config", str(ROOT / "configs" / f"{name}.json"),
-                   *[part for item in settings for part in ("--set", item)])
+    with contextlib.chdir(ROOT):
+        return train_here("--config", str(ROOT / "configs" / f"{name}.json"),
+                          *[part for item in settings for part in ("--set", item)])
 
 
 @pytest.mark.slow
