@@ -120,23 +120,27 @@ def _cell(value: Any) -> str:
     return f"{value:.3g}" if isinstance(value, float) else str(value)
 
 
-def run_train_sdxl(name: str, args: list[str], in_process: bool = False) -> None:
-    """`train_sdxl.py ARGS` in a fresh interpreter, or with `in_process` in this one, its output
-    captured (for smoke runs, which measure nothing of the process: no interpreter's imports to
-    pay again); a failure raises with the end of its stderr."""
-    if in_process:
-        import train_sdxl
+def train_sdxl_here(args: list[str]) -> subprocess.CompletedProcess:
+    """`train_sdxl.py ARGS` in this interpreter, its output captured: what a fresh interpreter's run
+    gives, without paying its imports again (the tests' `train_here` is this too)."""
+    import train_sdxl
 
-        stdout, stderr = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-            code = train_sdxl.main(args)
-        errors = stderr.getvalue()
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = train_sdxl.main(args)
+    return subprocess.CompletedProcess(["train_sdxl.py", *args], code, stdout.getvalue(), stderr.getvalue())
+
+
+def run_train_sdxl(name: str, args: list[str], in_process: bool = False) -> None:
+    """`train_sdxl.py ARGS` in a fresh interpreter, or with `in_process` in this one (for smoke runs,
+    which measure nothing of the process); a failure raises with the end of its stderr."""
+    if in_process:
+        result = train_sdxl_here(args)
     else:
         result = subprocess.run([sys.executable, str(ROOT / "train_sdxl.py"), *args], cwd=ROOT, env=quiet_env(),
                                 capture_output=True, text=True)
-        code, errors = result.returncode, result.stderr
-    if code != 0:
-        raise RuntimeError(f"{name}: train_sdxl.py failed:\n{errors[-3000:]}")
+    if result.returncode != 0:
+        raise RuntimeError(f"{name}: train_sdxl.py failed:\n{result.stderr[-3000:]}")
 
 
 def train_quickstart(name: str, settings: dict[str, Any], in_process: bool = False) -> None:

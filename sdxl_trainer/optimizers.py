@@ -99,10 +99,6 @@ def make_optimizer(optimizer: OptimizerConfig, param_groups: list[dict[str, Any]
         return StochasticRoundingAdamW(
             param_groups, betas=optimizer.betas, eps=optimizer.eps, weight_decay=optimizer.weight_decay
         )
-    if bf16_weights:  # the config allows only AdamW and Adafactor with bf16 weights
-        from .bf16_adafactor import StochasticRoundingAdafactor
-
-        return StochasticRoundingAdafactor(param_groups, **(own_defaults(optimizer, "adafactor", 0) | optimizer.args))
     kind = optimizer.type
     if kind in ("adamw8bit", "lion8bit") and device == "mps":
         kind = "adamw" if kind == "adamw8bit" else "lion"
@@ -110,6 +106,10 @@ def make_optimizer(optimizer: OptimizerConfig, param_groups: list[dict[str, Any]
     settings = own_defaults(optimizer, kind, warmup_steps)
     if kind == "came":  # it refuses to be built without a default rate; every group brings its own
         settings["lr"] = param_groups[0]["lr"]
+    if bf16_weights:  # the config allows only AdamW (above) and Adafactor with bf16 weights
+        from .bf16_adafactor import StochasticRoundingAdafactor
+
+        return StochasticRoundingAdafactor(param_groups, **(settings | optimizer.args))
     return optimizer_class(kind)(param_groups, **(settings | optimizer.args))
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import socket
@@ -11,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from bench.common import train_sdxl_here
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA_DIR = ROOT / "data" / "images"
@@ -60,12 +60,7 @@ def train_here(*args: str) -> subprocess.CompletedProcess:
     """`train_sdxl.py ARGS` in this process, its output captured: what `run_cli` gives, without a
     fresh interpreter's ~8 s of imports. For tests that need no process of their own (no signals,
     no kill, nothing that must start from a clean interpreter)."""
-    import train_sdxl
-
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = train_sdxl.main(list(args))
-    return subprocess.CompletedProcess(["train_sdxl.py", *args], code, stdout.getvalue(), stderr.getvalue())
+    return train_sdxl_here(list(args))
 
 
 def free_port() -> int:
