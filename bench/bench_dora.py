@@ -84,27 +84,29 @@ def rows_of(case: str, rank: int | str, compiled: str, seconds: dict[str, list[f
              "vs_frozen": ratio(mode, "frozen")} for mode, times in seconds.items()]
 
 
+def backward_step(module, inputs: tuple) -> Callable[[], None]:
+    """Forward + backward of `module` on `inputs` (the first needing its gradient), gradients freed."""
+
+    def step() -> None:
+        module(*inputs).float().square().mean().backward()
+        module.zero_grad(set_to_none=True)
+        inputs[0].grad = None
+    return step
+
+
 def layer_steps(base, make_input: Callable[[], tuple], ranks: tuple[int, ...], targets: list[str],
                 compiled: bool = False) -> dict[tuple[int, str], Callable[[], None]]:
     """Forward + backward of `base` under each mode and rank (frozen once), keyed (rank, mode)."""
     import torch
 
     inputs = make_input()
-
-    def step_of(module) -> Callable[[], None]:
-        def step() -> None:
-            module(*inputs).float().square().mean().backward()
-            module.zero_grad(set_to_none=True)
-            inputs[0].grad = None
-        return step
-
     steps = {}
     for rank in ranks:
         for mode in MODES:
             if (mode == "frozen" and rank != ranks[0]) or (compiled and mode == "DoRA (peft)"):
                 continue  # frozen weights have no rank; peft's DoRA is timed without compile
             module = adapted(base, mode, rank, targets)
-            steps[rank, mode] = step_of(torch.compile(module) if compiled else module)
+            steps[rank, mode] = backward_step(torch.compile(module) if compiled else module, inputs)
     return steps
 
 

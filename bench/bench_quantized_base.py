@@ -2,6 +2,7 @@
 time, against the full-precision base.
 
     OMP_NUM_THREADS=1 python bench/bench_quantized_base.py --sections tiny anchors   # about 15 min on 2 cores
+    OMP_NUM_THREADS=1 python bench/bench_quantized_base.py --sections block            # about 3 min
     python bench/bench_quantized_base.py --sections learning                          # about 30 min
     python bench/bench_quantized_base.py --smoke      # the tiny section, full precision and fp8, 1 step
 
@@ -10,6 +11,9 @@ Sections (each a results file):
   only, batch 2 at 64², fp32, AdamW) with each base: the planned peak against the tensor bytes
   tracked during two real trainer steps, and the step time (the fastest of 8, the bases' steps
   interleaved) as a ratio to the full-precision base.
+- `quantized_base_block`: one full-width SDXL transformer block (bench/bench_dora.py's 32×32 level:
+  1280 channels, 1024 tokens, cross-attention to a 77 × 2048 context) under the trainer's fast DoRA
+  rank 16, fp32 compute, on each base: CPU time of forward + backward, the bases taking turns.
 - `quantized_base_anchors`: CUDA plans at 1024², batch 1, bf16 autocast, gradient checkpointing,
   cached latents and text, 8-bit AdamW, DoRA rank 16 on the UNet, for each base (target: 6 GB).
 - `quantized_base_learning`: the learning benchmark's quickstart run (bench/bench_learning.py: DoRA
@@ -35,8 +39,9 @@ from bench.common import bench_args, write_results
 
 SDXL = "stabilityai/stable-diffusion-xl-base-1.0"  # not downloaded: planned with SDXL base 1.0's shapes
 BASES = ("none", "float8_e4m3fn", "int8", "nf4")
-SECTIONS = ("tiny", "anchors", "learning")
+SECTIONS = ("tiny", "block", "anchors", "learning")
 TIMED_ROUNDS = 8
+BLOCK_RANK, BLOCK_REPEATS = 16, 5
 
 
 def tiny_config(base: str, folder: str) -> dict[str, Any]:
@@ -114,6 +119,36 @@ def tiny_rows(smoke: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def block_rows(smoke: bool) -> list[dict[str, Any]]:
+    """The step time of one SDXL transformer block under fast DoRA, per base, as a ratio to the
+    full-precision base's step in the same repetition (median over repetitions)."""
+    import copy
+    import statistics
+
+    import torch
+
+    from bench.bench_dora import BLOCK_TARGETS, adapted, backward_step, block_case, interleaved
+    from sdxl_trainer.quantized_base import quantize_module
+
+    torch.set_num_threads(1)
+    width, tokens = (64, 16) if smoke else (1280, 1024)
+    block, make_input = block_case(width, tokens, smoke)
+    inputs = make_input()
+    steps, quantized = {}, {}
+    for base in BASES:
+        stored = copy.deepcopy(block)
+        quantized[base] = 0 if base == "none" else quantize_module(stored, base, torch.device("cpu"))
+        steps[base] = backward_step(adapted(stored, "DoRA", BLOCK_RANK, BLOCK_TARGETS), inputs)
+    seconds = interleaved(steps, 1 if smoke else BLOCK_REPEATS, 0 if smoke else 1)
+    rows = [{"base": base, "case": f"transformer block ({width} ch, {tokens} tokens), DoRA rank {BLOCK_RANK}",
+             "quantized_layers": quantized[base], "ms_per_step": statistics.median(times) * 1e3,
+             "vs_full_precision": statistics.median(a / b for a, b in zip(times, seconds["none"], strict=True))}
+            for base, times in seconds.items()]
+    for row in rows:
+        print(row, flush=True)
+    return rows
+
+
 def anchor_rows() -> list[dict[str, Any]]:
     from sdxl_trainer.config import validate_config
     from sdxl_trainer.memory.plan import StepShape
@@ -155,6 +190,11 @@ NOTES = {
             "AdamW, no checkpointing; planned: the plan's peak; measured: the tensor bytes tracked during two trainer "
             "steps; step_s: the fastest of 8 trainer steps (forward, backward, optimizer), without the memory watch, "
             "the four bases' steps interleaved round by round, on a 2-core machine shared with other jobs.",
+    "block": "CPU milliseconds (torch on 1 thread) of forward + backward of one SDXL transformer block at the 32x32 "
+             "level (1280 channels, 1024 tokens, 77 x 2048 text context; random weights), fast DoRA rank 16 on "
+             "to_q/to_k/to_v/to_out.0/ff.net.0.proj/ff.net.2, fp32 compute, median over 5 repetitions after 1 warm-up, "
+             "the four bases taking turns in alternating order; vs_full_precision: the median over repetitions of the "
+             "step's time over the full-precision step of the same repetition.",
     "anchors": "CUDA plans, SDXL at 1024x1024, batch 1, bf16 autocast, gradient checkpointing, cached latents and text "
                "(bigG off the GPU during steps), 8-bit AdamW, DoRA rank 16 on the UNet (attn-mlp), eval off; "
                "plan_seconds: the plan's time on this 2-core CPU while other jobs ran.",
@@ -172,8 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     args = bench_args(__doc__.splitlines()[0], argv, options)
     if args.smoke:
         write_results("quantized_base_smoke", tiny_rows(smoke=True), "one tiny step (smoke test)", args.results_dir)
+        write_results("quantized_base_block_smoke", block_rows(smoke=True), "one small block step (smoke test)",
+                      args.results_dir)
         return 0
-    builders = {"tiny": lambda: tiny_rows(False), "anchors": anchor_rows,
+    builders = {"tiny": lambda: tiny_rows(False), "block": lambda: block_rows(False), "anchors": anchor_rows,
                 "learning": lambda: learning_rows(args.learning_bases)}
     for section in args.sections:
         write_results(f"quantized_base_{section}", builders[section](), NOTES[section], args.results_dir)

@@ -125,3 +125,8 @@ def test_quantized_base_benchmark_smoke(results: Path) -> None:
     assert_positive(rows[1], "planned_MB", "measured_MB", "step_s")
     assert 0.95 <= rows[1]["measured_over_planned"] <= 1.05
     assert rows[1]["unet_weights_MB"] < rows[0]["unet_weights_MB"] / 3  # fp8 against fp32, biases and norms aside
+    block = rows_of(results / "quantized_base_block_smoke.json")
+    assert [row["base"] for row in block] == ["none", "float8_e4m3fn", "int8", "nf4"]
+    assert [row["quantized_layers"] for row in block] == [0, 10, 10, 10]  # 4 + 4 attention, 2 feed-forward
+    for row in block:
+        assert_positive(row, "ms_per_step", "vs_full_precision")
