@@ -102,6 +102,34 @@ def test_a_non_finite_gradient_is_found_before_its_tensor_is_stepped() -> None:
     assert hooks.finish_step()[1] is None  # the next step starts clean
 
 
+@pytest.mark.slow  # two spawned processes
+def test_two_processes_average_each_gradient_and_must_meet_it_in_one_order(tmp_path: Path) -> None:
+    """In two gloo processes, each gradient is averaged in its hook (the step equals SGD on the
+    mean of both processes' gradients, from rank 0's weights); a step whose backward order differs
+    from the first step's, or a first step whose order differs between the processes, is an error."""
+    from tests.fused_two_processes import TwoBranches, two_process_worker
+    from tests.helpers import free_port
+
+    torch.multiprocessing.start_processes(two_process_worker, (free_port(), tmp_path), nprocs=2, start_method="spawn")
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
+    assert all(same(ranks[0][key], ranks[1][key]) for key in ("start", "after"))  # one model in both
+    torch.manual_seed(0)
+    expected = TwoBranches()
+    gradients = []
+    for rank in ranks:
+        expected.zero_grad(set_to_none=True)
+        expected(rank["x"], a_first=True).backward()
+        gradients.append({name: param.grad.clone() for name, param in expected.named_parameters()})
+    for name, param in expected.named_parameters():
+        assert torch.equal(ranks[0]["start"][name], param.detach())
+        mean = gradients[0][name].div(2) + gradients[1][name].div(2)
+        assert torch.equal(ranks[0]["after"][name], param.detach().add(mean, alpha=-0.1)), name  # SGD's update
+    for rank in ranks:
+        assert len(rank["errors"]) == 2
+        assert "another order than the first step's" in rank["errors"][0]
+        assert "different orders" in rank["errors"][1]
+
+
 @pytest.mark.parametrize(("override", "key"), [
     ({"optimizer": {"type": "prodigy"}}, "optimizer.type"),
     ({"optimizer": {"type": "adamw_schedulefree"}}, "optimizer.type"),
