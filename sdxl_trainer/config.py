@@ -617,7 +617,8 @@ class OptimizerConfig(Section):
     fused_backward: bool = Field(
         False, description="Step each trained tensor inside the backward pass as soon as its gradient is complete, "
         "and free that gradient (saves the memory of all gradients: 5-10 GB for a full SDXL UNet). For AdamW, 8-bit "
-        "AdamW, Adafactor, Lion and CAME, on one process, with `training.grad_accum_steps` 1, no "
+        "AdamW, Adafactor, Lion and CAME, on one process or several (DDP; not FSDP), with "
+        "`training.grad_accum_steps` 1, no "
         "`training.max_grad_norm`, bf16 or fp32, and `training.nan_policy` \"abort\" (docs/memory.md).")
 
     @field_validator("betas")

@@ -30,13 +30,10 @@ FSDP_HELP = "see docs/multi-gpu.md, 'Full fine-tuning sharded with FSDP'"
 def check_launch(config: Config, environ: Mapping[str, str]) -> None:
     """Refuse, before loading anything, a sharded launch (set by `accelerate launch` in the
     environment) that this trainer does not support, naming what to change."""
-    if config.optimizer.fused_backward and int(environ.get("WORLD_SIZE", "1")) > 1:
-        raise ConfigError("optimizer.fused_backward works on one process: under DDP its hook would step a tensor "
-                          "before the processes' gradients are averaged; set it to false for multi-GPU runs")
     if environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
         raise ConfigError("DeepSpeed is not supported: use FSDP (fsdp_version: 2) for sharded full fine-tuning, "
                           f"or plain data parallel (accelerate launch --multi_gpu); {FSDP_HELP}")
-    if environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+    if not fsdp_requested(environ):
         return
     if environ.get("FSDP_VERSION", "1") != "2":
         raise ConfigError(f"FSDP version {environ.get('FSDP_VERSION', '1')} is not supported: set fsdp_version: 2 "
@@ -52,12 +49,21 @@ def check_launch(config: Config, environ: Mapping[str, str]) -> None:
                                     "compile through accelerate's dynamo_backend setting instead"),
         "training.mixed_precision": (config.precision == "fp16",
                                      "fp16 needs a grad scaler that agrees across shards; use bf16"),
+        "optimizer.fused_backward": (config.optimizer.fused_backward,
+                                     "each process holds a slice of a gradient, complete only after the "
+                                     "reduce-scatter that follows the hook; use plain data parallel "
+                                     "(accelerate launch --multi_gpu) or one process"),
         "optimizer.type": (config.optimizer.type != "adamw",
                            "8-bit AdamW (bitsandbytes) and Adafactor cannot step sharded tensors; use adamw"),
     }
     wrong = [f"{key} ({reason})" for key, (refused, reason) in refusals.items() if refused]
     if wrong:
         raise ConfigError(f"under FSDP: {'; '.join(wrong)}; {FSDP_HELP}")
+
+
+def fsdp_requested(environ: Mapping[str, str]) -> bool:
+    """Whether `accelerate launch` was asked for FSDP (before the Accelerator exists)."""
+    return environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
 def is_sharded(accelerator: Accelerator) -> bool:

@@ -190,8 +190,7 @@ def assemble_run(config: Config, plan: RunPlan, accelerator: Accelerator,
                                precision.components["unet"].trained == "bf16", warmup_steps)
     lr_scheduler = make_lr_scheduler(optimizer, config.training, plan.total_steps, is_schedule_free(optimizer))
     scaler = torch.amp.GradScaler(accelerator.device.type, enabled=precision.uses_grad_scaler)
-    # Under FSDP this shards the UNet in place and points the optimizer at the slices.
-    *prepared, optimizer, lr_scheduler = accelerator.prepare(*trainable.modules.values(), optimizer, lr_scheduler)
+    prepared, optimizer, lr_scheduler = prepare_training(accelerator, config, trainable, optimizer, lr_scheduler)
     if is_schedule_free(optimizer):
         optimizer.train()  # it steps only in train mode; a resumed state says so again
     restored = Restored(Position())
@@ -211,7 +210,8 @@ def assemble_run(config: Config, plan: RunPlan, accelerator: Accelerator,
         writer=open_writer(config, plan, precision) if accelerator.is_main_process else None,
         trained_params=list(trainable.parameters()), warmup_steps=warmup_steps, lock=lock,
         first_step=restored.position.step, earlier_seconds=restored.seconds,
-        fused=FusedBackward(optimizer, trainable.named_parameters()) if config.optimizer.fused_backward else None,
+        fused=FusedBackward(optimizer, trainable.named_parameters(), accelerator.num_processes)
+        if config.optimizer.fused_backward else None,
     )
     if accelerator.is_main_process:  # made from the run: its validation loss runs the run's models
         run.evaluator = make_evaluator(run, cache, stand_ins)
@@ -225,11 +225,26 @@ def assemble_run(config: Config, plan: RunPlan, accelerator: Accelerator,
     return run
 
 
+def prepare_training(accelerator: Accelerator, config: Config, trainable: Trainable, optimizer: Any,
+                     lr_scheduler: Any) -> tuple[list[torch.nn.Module], Any, Any]:
+    """accelerate's preparation: under DDP the trained modules are wrapped (its reducer averages the
+    gradients); under FSDP the UNet is sharded in place and the optimizer pointed at the slices.
+    With fused backward the modules are not wrapped: its hooks average each gradient themselves,
+    and DDP's bucket buffers would hold a second copy of every gradient (fused_backward.py)."""
+    if not config.optimizer.fused_backward:
+        *prepared, optimizer, lr_scheduler = accelerator.prepare(*trainable.modules.values(), optimizer,
+                                                                 lr_scheduler)
+        return prepared, optimizer, lr_scheduler
+    prepared = [accelerator.prepare_model(module, evaluation_mode=True) for module in trainable.modules.values()]
+    optimizer, lr_scheduler = accelerator.prepare(optimizer, lr_scheduler)
+    return prepared, optimizer, lr_scheduler
+
+
 def loss_models(config: Config, pipe: StableDiffusionXLPipeline, trainable: Trainable,
                 prepared: list[torch.nn.Module], stand_ins: StandIns) -> LossModels:
     """What the loss runs forward: the prepared modules (DDP wrappers under several processes: that
-    is what synchronises the gradients), the compiled UNet, the text cache's stand-ins for frozen
-    encoders. Saving and eval use the pipeline (gathered under FSDP)."""
+    is what synchronises the gradients, unless fused backward's hooks do), the compiled UNet, the
+    text cache's stand-ins for frozen encoders. Saving and eval use the pipeline (gathered under FSDP)."""
     forward = dict(zip(trainable.modules, prepared, strict=True))
     unet = forward.get("unet", pipe.unet)  # textual inversion alone trains no UNet
     if config.model.use_torch_compile:

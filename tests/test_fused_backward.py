@@ -4,6 +4,7 @@ refused, and a run with it trains, resumes and is planned like one without."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -101,6 +102,34 @@ def test_a_non_finite_gradient_is_found_before_its_tensor_is_stepped() -> None:
     assert hooks.finish_step()[1] is None  # the next step starts clean
 
 
+@pytest.mark.slow  # two spawned processes
+def test_two_processes_average_each_gradient_and_must_meet_it_in_one_order(tmp_path: Path) -> None:
+    """In two gloo processes, each gradient is averaged in its hook (the step equals SGD on the
+    mean of both processes' gradients, from rank 0's weights); a step whose backward order differs
+    from the first step's, or a first step whose order differs between the processes, is an error."""
+    from tests.fused_two_processes import TwoBranches, two_process_worker
+    from tests.helpers import free_port
+
+    torch.multiprocessing.start_processes(two_process_worker, (free_port(), tmp_path), nprocs=2, start_method="spawn")
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
+    assert all(same(ranks[0][key], ranks[1][key]) for key in ("start", "after"))  # one model in both
+    torch.manual_seed(0)
+    expected = TwoBranches()
+    gradients = []
+    for rank in ranks:
+        expected.zero_grad(set_to_none=True)
+        expected(rank["x"], a_first=True).backward()
+        gradients.append({name: param.grad.clone() for name, param in expected.named_parameters()})
+    for name, param in expected.named_parameters():
+        assert torch.equal(ranks[0]["start"][name], param.detach())
+        mean = gradients[0][name].div(2) + gradients[1][name].div(2)
+        assert torch.equal(ranks[0]["after"][name], param.detach().add(mean, alpha=-0.1)), name  # SGD's update
+    for rank in ranks:
+        assert len(rank["errors"]) == 2
+        assert "another order than the first step's" in rank["errors"][0]
+        assert "different orders" in rank["errors"][1]
+
+
 @pytest.mark.parametrize(("override", "key"), [
     ({"optimizer": {"type": "prodigy"}}, "optimizer.type"),
     ({"optimizer": {"type": "adamw_schedulefree"}}, "optimizer.type"),
@@ -120,13 +149,22 @@ def test_what_cannot_hold_is_refused_naming_the_key(tmp_path: Path, override: di
     validate_config(config)  # the same settings without it are fine
 
 
-def test_several_processes_are_refused(tmp_path: Path) -> None:
+def test_ddp_is_accepted_and_fsdp_refused_in_one_line_before_loading(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under DDP the hooks average each gradient (tests/test_multiprocess.py trains it); under FSDP
+    a process holds only a slice of a gradient, so the run stops with exit 2 before any weight loads."""
     from sdxl_trainer.distributed import check_launch
 
-    config = validate_config(tiny_config(tmp_path, adapter={"type": "none"}, optimizer={"fused_backward": True}))
-    check_launch(config, {"WORLD_SIZE": "1"})
-    with pytest.raises(ConfigError, match=r"optimizer\.fused_backward works on one process"):
-        check_launch(config, {"WORLD_SIZE": "2"})
+    config = tiny_config(tmp_path, adapter={"type": "none"}, model={"train_text_encoder_1": False},
+                         optimizer={"fused_backward": True})
+    check_launch(validate_config(config), {"WORLD_SIZE": "2"})
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "2")
+    result = train_here("--config", str(write_config(tmp_path / "c.json", config)))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "under FSDP: optimizer.fused_backward (each process holds a slice" in lines[0]
+    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow
@@ -146,6 +184,13 @@ def test_the_memory_plan_holds_one_gradient_at_a_time(tmp_path: Path, tiny_sdxl_
     assert fused_plan.optimizer_state == plain_plan.optimizer_state
     assert fused_plan.train_peak < plain_plan.train_peak
     assert fused_backward_fits(plain) and not fused_backward_fits(fused)  # proposed where it is not on yet
+    # Several processes: DDP's reducer holds a second copy of the gradients for the model's life;
+    # fused backward wraps nothing in DDP (its hooks average each gradient) and holds none.
+    ddp = dataclasses.replace(shape, ddp=True)
+    plain_ddp, fused_ddp = plan_memory(plain, ddp, "cpu"), plan_memory(fused, ddp, "cpu")
+    assert plain_ddp.ddp_buckets == unet_gradients and plain_ddp.gradients == unet_gradients
+    assert plain_ddp.train_peak == plain_plan.train_peak + unet_gradients
+    assert fused_ddp.ddp_buckets == 0 and fused_ddp.train_peak == fused_plan.train_peak
     config["optimizer"]["fused_backward"], config["adapter"]["type"] = False, "dora"
     assert not fused_backward_fits(validate_config(config))  # an adapter's gradients are small
 

@@ -148,3 +148,62 @@ def test_non_finite_weights_stop_both_processes_and_nothing_is_saved(tmp_path: P
     assert not (output / "checkpoints").exists() and not (output / "pytorch_lora_weights.safetensors").exists()
     summary = json.loads((output / "run_summary.json").read_text())
     assert summary["status"] == "aborted: non-finite weights" and summary["steps"] == 2
+
+
+# ------------------------------------------------------------------------- fused backward
+def fused_config(tmp_path: Path, **training) -> dict:
+    """`two_process_run`'s config (DoRA on the UNet and CLIP-L, AdamW) with fused backward."""
+    config = config_for(tmp_path, per_process_batch=1, **training)
+    config["eval"] = {"num_inference_steps": 2, "prompts_path": PROMPTS, "width": 64, "height": 64,
+                      "final": {"enabled": True, "max_batches": 2}}
+    config["optimizer"]["fused_backward"] = True
+    return config
+
+
+@pytest.fixture(scope="module")
+def fused_two_process_run(tmp_path_factory: pytest.TempPathFactory, tiny_sdxl_dir: Path) -> Path:
+    tmp_path = tmp_path_factory.mktemp("fused_ddp")
+    result = launch_two(write_config(tmp_path / "c.json", fused_config(tmp_path)))
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "2 processes held identical weights at all 6 checks" in result.stdout  # after every step
+    assert "fused backward: each tensor is stepped in backward" in result.stdout
+    return tmp_path / "out" / "test_run"
+
+
+def test_fused_backward_under_ddp_equals_ddp_bit_for_bit(fused_two_process_run: Path, two_process_run: Path) -> None:
+    """Each gradient averaged in its hook (halved, summed across the two processes) is DDP's bucket
+    average, and AdamW's step of it the ordinary step: `two_process_run`'s weights, bit for bit."""
+    fused = load_file(fused_two_process_run / "pytorch_lora_weights.safetensors")
+    ordinary = load_file(two_process_run / "out" / "test_run" / "pytorch_lora_weights.safetensors")
+    assert fused.keys() == ordinary.keys()
+    assert any("lora_B" in key and ordinary[key].abs().max() > 0 for key in ordinary)  # it trained
+    assert [key for key in fused if not torch.equal(fused[key], ordinary[key])] == []
+
+
+def test_fused_backward_under_ddp_resumes_bit_for_bit(fused_two_process_run: Path, tmp_path: Path) -> None:
+    checkpoint = fused_two_process_run / "checkpoints" / "checkpoint-3"
+    result = launch_two(write_config(tmp_path / "c.json", fused_config(tmp_path, resume_from=str(checkpoint))))
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "at step 3" in result.stdout
+    straight = load_file(fused_two_process_run / "pytorch_lora_weights.safetensors")
+    again = load_file(tmp_path / "out" / "test_run" / "pytorch_lora_weights.safetensors")
+    assert straight.keys() == again.keys()
+    assert [key for key in straight if not torch.equal(straight[key], again[key])] == []
+
+
+def test_a_non_finite_gradient_in_one_process_stops_both_under_fused_backward(tmp_path: Path,
+                                                                              tiny_sdxl_dir: Path) -> None:
+    """NaN in the second process's gradients at step 2 (its loss finite): the averaged gradient
+    both processes see is NaN, so both stop at the same tensor, and nothing is saved."""
+    config = fused_config(tmp_path, checkpoint_every=2, distributed_timeout_minutes=0.5)
+    result = accelerate_launch(LAUNCH_TWO, write_config(tmp_path / "c.json", config),
+                               target=(str(ROOT / "tests" / "nan_gradient_on_rank_1.py"),))
+    assert result.returncode != 0
+    assert "Timed out" not in result.stderr
+    reports = re.findall(r"fused backward: first at (\S+);[^\n]* at step (\d+) ", result.stderr)
+    assert len(reports) == 2 and reports[0] == reports[1], result.stderr[-4000:]  # both processes, one tensor
+    assert reports[0][1] == "2"
+    output = tmp_path / "out" / "test_run"
+    assert not (output / "checkpoints").exists() and not (output / "pytorch_lora_weights.safetensors").exists()
+    summary = json.loads((output / "run_summary.json").read_text())
+    assert summary["status"] == "aborted: non-finite loss or gradients" and summary["steps"] == 1

@@ -54,13 +54,14 @@ class StepShape:
     height: int  # pixels
     width: int
     eval_size: tuple[int, int] | None = None  # (height, width) of the largest eval image; None: no eval
+    ddp: bool = False  # several processes under DDP (not FSDP): its reducer's gradient buckets
 
     @classmethod
-    def of(cls, data_plan, prompts) -> StepShape:
+    def of(cls, data_plan, prompts, ddp: bool = False) -> StepShape:
         width, height = max(set(data_plan.targets), key=lambda target: (target[0] * target[1], target))
         sizes = [(prompt.height, prompt.width) for prompt in prompts]
         largest_eval = max(sizes, key=lambda size: (size[0] * size[1], size)) if sizes else None
-        return cls(data_plan.batch_sizes[(width, height)], height, width, largest_eval)
+        return cls(data_plan.batch_sizes[(width, height)], height, width, largest_eval, ddp)
 
 
 @dataclass
@@ -75,6 +76,7 @@ class MemoryPlan:
     off_device: dict[str, int] = field(default_factory=dict)  # components kept off the device during steps
     trained: int = 0  # trained parameters beyond the weights (adapters; 0 for a full fine-tune)
     gradients: int = 0
+    ddp_buckets: int = 0  # DDP's copy of the gradients, beside them (see `_ddp_buckets`)
     optimizer_state: int = 0
     ema: int = 0
     train_peak: int = 0
@@ -89,7 +91,7 @@ class MemoryPlan:
     def activations(self) -> int:
         """What the training peak holds beyond weights, trained parameters, gradients, optimizer
         state and EMA: the activations saved for backward and the temporaries of the moment."""
-        held = self.weight_bytes + self.trained + self.gradients + self.optimizer_state + self.ema
+        held = self.weight_bytes + self.trained + self.gradients + self.ddp_buckets + self.optimizer_state + self.ema
         return self.train_peak - held
 
     @property
@@ -224,12 +226,28 @@ def plan_memory(config: Config, shape: StepShape, device: str) -> MemoryPlan:
     live = LiveBytes("meta")
     live.track(tensor for name in on_device for tensor in _tensors(getattr(pipe, name)))
     with live, DeviceRules("cuda" if device == "cuda" else "cpu"):
+        buckets = _ddp_buckets(config, shape, trainable)
+        plan.ddp_buckets = sum(bucket.nbytes for bucket in buckets)
         _trace_training(config, pipe, trainable, traced, plan, live)
         if shape.eval_size:
             _trace_eval(pipe, traced, shape, live)
             plan.eval_peak = live.peak
+        del buckets
     plan.workspace = CUDA_WORKSPACE_BYTES if device == "cuda" else 0
     return plan
+
+
+def _ddp_buckets(config: Config, shape: StepShape, trainable: Trainable) -> list[torch.Tensor]:
+    """DDP's reducer (several processes): flat buckets as large as all the trained tensors (one per
+    dtype here; torch cuts them into ~25 MB pieces), allocated when accelerate wraps the model and
+    kept for its life, beside the gradients (accelerate's default `gradient_as_bucket_view=False`).
+    Fused backward wraps nothing (it averages each gradient in its hook): none."""
+    if not shape.ddp or config.optimizer.fused_backward:
+        return []
+    numel: dict[torch.dtype, int] = {}
+    for param in trainable.parameters():
+        numel[param.dtype] = numel.get(param.dtype, 0) + param.numel()
+    return [torch.empty(count, dtype=dtype, device="meta") for dtype, count in numel.items()]
 
 
 def _tensors(module: torch.nn.Module) -> list[torch.Tensor]:

@@ -4,21 +4,24 @@ would make it fit, each with the saving a new plan computes for it."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..atomic import write_json
 from ..config import Config, ConfigError
 from ..device_types import run_device_type
+from ..distributed import fsdp_requested
 from .plan import MemoryPlan, StepShape, plan_memory
 from .watch import proc_bytes
 
 if TYPE_CHECKING:
     from ..planning import RunPlan
 
-PLAN_FORMAT = 2  # bump when the planner counts differently: cached plans are then made again
+PLAN_FORMAT = 3  # bump when the planner counts differently: cached plans are then made again
 
 
 def size(count: int) -> str:
@@ -54,7 +57,7 @@ def memory_preflight(config: Config, plan: RunPlan, dry_run: bool) -> tuple[Memo
     check, device = config.training.memory_check, run_device_type()
     if check == "off" or (check == "auto" and device == "cpu" and not dry_run):
         return None, ""
-    shape = StepShape.of(plan.data, plan.prompts)
+    shape = StepShape.of(plan.data, plan.prompts, ddp=plan.data.world_size > 1 and not fsdp_requested(os.environ))
     try:
         memory = cached_plan(config, shape, device)
     except PlanSkipped as exc:
@@ -69,8 +72,8 @@ def memory_preflight(config: Config, plan: RunPlan, dry_run: bool) -> tuple[Memo
         lines.append(f"  with gradient checkpointing {'on' if other else 'off'}: activations "
                      f"{size(flipped.activations)}, peak {size(flipped.peak)}")
     if plan.data.world_size > 1:
-        lines.append("  note: this is every process's peak; under FSDP the sharded weights, gradients and optimizer "
-                     "state are not divided among the processes in this plan")
+        lines.append("  note: this is every process's peak (under DDP with its gradient buckets); under FSDP the "
+                     "sharded weights, gradients and optimizer state are not divided among the processes in this plan")
     free = free_memory(device)
     if free is not None and memory.peak > free:
         remedies = ways_to_fit(config, shape, device, memory)
@@ -99,7 +102,8 @@ def describe(memory: MemoryPlan, config: Config) -> str:
         lines.append("  off the device during steps (text cache): " + ", ".join(
             f"{name} {size(count)}" for name, count in memory.off_device.items()))
     checkpointing = "on" if config.model.use_gradient_checkpointing else "off"
-    lines.append(f"  trained {size(memory.trained)}, gradients {size(memory.gradients)}, optimizer "
+    buckets = f", DDP's gradient buckets {size(memory.ddp_buckets)}" if memory.ddp_buckets else ""
+    lines.append(f"  trained {size(memory.trained)}, gradients {size(memory.gradients)}{buckets}, optimizer "
                  f"state {size(memory.optimizer_state)} ({config.optimizer.type}), EMA {size(memory.ema)}")
     lines.append(f"  activations and temporaries at the training peak {size(memory.activations)} "
                  f"(gradient checkpointing {checkpointing})")
@@ -143,7 +147,7 @@ def ways_to_fit(config: Config, shape: StepShape, device: str, memory: MemoryPla
     for remedy in remedies:
         changed = _with_changes(config, remedy.changes)
         batch = 1 if "training.grad_accum_steps" in remedy.changes else shape.batch
-        remedy.peak = cached_plan(changed, StepShape(batch, shape.height, shape.width, shape.eval_size), device).peak
+        remedy.peak = cached_plan(changed, dataclasses.replace(shape, batch=batch), device).peak
     return sorted((r for r in remedies if r.peak < memory.peak), key=lambda r: r.peak)
 
 
@@ -220,7 +224,7 @@ def plan_key(config: Config, shape: StepShape, device: str) -> str:
 
     resolved = config.resolved()
     inputs = {
-        "format": PLAN_FORMAT, "device": device, "shape": [shape.batch, shape.height, shape.width, shape.eval_size],
+        "format": PLAN_FORMAT, "device": device, "shape": dataclasses.astuple(shape),
         "architecture": read_architecture(config.model).configs, "model": resolved["model"],
         "adapter": resolved["adapter"], "optimizer": resolved["optimizer"],
         "training": {key: resolved["training"][key] for key in ("mixed_precision", "prediction_type")},
