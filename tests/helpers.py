@@ -18,6 +18,9 @@ from bench.common import train_sdxl_here
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA_DIR = ROOT / "data" / "images"
+# For dry runs whose test is not about the memory plan: on the CPU a dry run traces the step twice
+# (gradient checkpointing on and off), ~18 s of CPU for each new shape and setup.
+NO_MEMORY_PLAN = ("--set", "training.memory_check=off")
 
 
 def tiny_config(tmp_path: Path, **sections: dict[str, Any]) -> dict[str, Any]:

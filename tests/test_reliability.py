@@ -27,7 +27,7 @@ from sdxl_trainer.checkpointing import list_checkpoints, load_state, prune_check
 from sdxl_trainer.config import ConfigError, load_config
 from sdxl_trainer.output_folder import LEFTOVER, OutputLock, remove_leftovers
 from sdxl_trainer.planning import plan_run
-from tests.helpers import DATA_DIR, ROOT, tiny_config, train_here, write_config
+from tests.helpers import DATA_DIR, NO_MEMORY_PLAN, ROOT, tiny_config, train_here, write_config
 from tests.test_preemptible import STEPS, Job
 from tests.test_resume import final_weights
 
@@ -282,7 +282,8 @@ def test_plans_without_a_full_batch_are_refused_and_the_batch_reported_is_what_b
     assert train_sdxl.main(["--config", str(path), "--dry-run", "--set", "data.bucket.batch_size=64"]) == 2
     assert "18 usable image(s) are fewer than one global batch of 64" in capsys.readouterr().err
 
-    assert train_sdxl.main(["--config", str(path), "--dry-run", "--set", "data.bucket.batch_size=4"]) == 0
+    four = ["--set", "data.bucket.batch_size=4", *NO_MEMORY_PLAN]
+    assert train_sdxl.main(["--config", str(path), "--dry-run", *four]) == 0
     report = capsys.readouterr().out
     buckets = ("64x64", "96x64", "64x96")
     counts = [int(line.split()[1]) for line in report.splitlines() if line.strip().startswith(buckets)]
@@ -471,7 +472,7 @@ def test_metadata_lines_for_missing_images_are_warned_and_unusable_masks_give_th
     (images / "metadata.jsonl").write_text("\n".join(lines) + "\n")
     path = write_config(tmp_path / "c.json", tiny_config(tmp_path))
     overrides = ["--set", f"data.image_dir={images}", "--set", "data.caption_source=metadata"]
-    assert train_sdxl.main(["--config", str(path), "--dry-run", *overrides]) == 0
+    assert train_sdxl.main(["--config", str(path), "--dry-run", *overrides, *NO_MEMORY_PLAN]) == 0
     report = capsys.readouterr().out
     assert (f"  warning: {images / 'metadata.jsonl'}, line 3: no image 'shape_99.png' in {images}; the line is not "
             "used") in report
