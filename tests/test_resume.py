@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 import train_sdxl
 from sdxl_trainer.checkpointing import Position, load_state
-from tests.helpers import ROOT, run_cli, tiny_config, train_here, write_config
+from tests.helpers import NO_MEMORY_PLAN, ROOT, run_cli, tiny_config, train_here, write_config
 
 
 def resumable_config(tmp_path: Path, adapter_type: str, **training) -> dict:
@@ -271,7 +271,7 @@ def test_latest_passes_over_a_damaged_newest_checkpoint(tmp_path: Path, tiny_sdx
     state.write_bytes(intact[: len(intact) // 2])
     longer = ["--config", str(path), "--set", "training.num_steps=8"]
     capsys.readouterr()
-    assert train_sdxl.main([*longer, "--dry-run"]) == 0
+    assert train_sdxl.main([*longer, "--dry-run", *NO_MEMORY_PLAN]) == 0
     out = capsys.readouterr().out
     assert f"resume: from {checkpoints / 'checkpoint-2'} at step 2" in out
     assert f"warning: checkpoint-4 is damaged ({state}: not a readable trainer state" in out
