@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import start_train, tiny_config, train_here, write_config
+from tests.helpers import NO_MEMORY_PLAN, start_train, tiny_config, train_here, write_config
 from tests.test_resume import final_weights
 
 pytestmark = pytest.mark.slow  # every test here trains (make test-fast leaves them out)
@@ -108,7 +108,7 @@ def test_one_command_starts_fresh_restarts_fresh_then_resumes(tmp_path: Path, ti
 def test_latest_with_no_checkpoint_is_a_fresh_plan_and_a_missing_folder_stays_an_error(tmp_path: Path,
                                                                                      tiny_sdxl_dir: Path) -> None:
     path = write_config(tmp_path / "c.json", tiny_config(tmp_path))
-    dry = train_here("--config", str(path), "--set", "training.resume_from=latest", "--dry-run")
+    dry = train_here("--config", str(path), "--set", "training.resume_from=latest", "--dry-run", *NO_MEMORY_PLAN)
     assert dry.returncode == 0, dry.stderr[-3000:]
     assert f"resume: latest: no checkpoint in {tmp_path / 'out' / 'test_run' / 'checkpoints'} {FRESH}" in dry.stdout
 
