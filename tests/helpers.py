@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import socket
 import subprocess
 import sys
+import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +18,9 @@ from bench.common import train_sdxl_here
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA_DIR = ROOT / "data" / "images"
+# For dry runs whose test is not about the memory plan: on the CPU a dry run traces the step twice
+# (gradient checkpointing on and off), ~18 s of CPU for each new shape and setup.
+NO_MEMORY_PLAN = ("--set", "training.memory_check=off")
 
 
 def tiny_config(tmp_path: Path, **sections: dict[str, Any]) -> dict[str, Any]:
@@ -78,3 +85,91 @@ def accelerate_launch(launch_args: list[str], config_path: Path, *overrides: str
                "--config", str(config_path), *[part for item in overrides for part in ("--set", item)]]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+def start_train(args: list[str], own_group: bool = False,
+                python_options: tuple[str, ...] = ()) -> subprocess.Popen | ForkedTrain:
+    """`train_sdxl.py ARGS` running in a process of its own, its output in text pipes: forked from
+    this one (`ForkedTrain`) where torch computes on one thread here, else, or with `python_options`
+    for the interpreter (e.g. `-X importtime`), a fresh interpreter (a child forked after OpenMP's
+    threads started hangs in its first parallel region)."""
+    import torch
+
+    if torch.get_num_threads() == 1 and not python_options:
+        return ForkedTrain(args, own_group)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, *python_options, str(ROOT / "train_sdxl.py"), *args], env=env,
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=own_group)
+
+
+class ForkedTrain:
+    """`train_sdxl.py ARGS` in a child forked from this process: a process of its own (its own pid,
+    signals, kill -9, exit code, process group with `own_group`) that starts with this interpreter's
+    modules, without a fresh interpreter's ~8 s of imports. For tests of how a run behaves when its
+    process is signalled or killed; a test about a fresh interpreter starts one (`run_cli`)."""
+
+    def __init__(self, args: list[str], own_group: bool = False) -> None:
+        import sdxl_trainer.run  # noqa: F401  (torch, diffusers, accelerate: imported once, here)
+        import train_sdxl
+
+        pipes = [os.pipe(), os.pipe()]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: never back into pytest, whatever happens
+            code = 1
+            try:
+                code = run_in_child(train_sdxl.main, args, own_group, pipes)
+            finally:
+                os._exit(code)
+        for _, write in pipes:
+            os.close(write)
+        self.stdout, self.stderr = (os.fdopen(read, encoding="utf-8", errors="replace")
+                                    for read, _ in pipes)
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"forked train_sdxl.py (pid {self.pid})", timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+
+def run_in_child(main, args: list[str], own_group: bool, pipes: list[tuple[int, int]]) -> int:
+    """The forked child's whole life: stdout and stderr to the pipes, unbuffered as under
+    PYTHONUNBUFFERED=1, `main(args)`, and its exit code as the interpreter would give it."""
+    code = 1
+    try:
+        if own_group:
+            os.setsid()
+        sys.argv = [str(ROOT / "train_sdxl.py"), *args]  # what the run says to resume with names the script
+        for target, (read, write) in zip((1, 2), pipes, strict=True):
+            os.dup2(write, target)
+            os.close(read)
+            os.close(write)
+        sys.stdout, sys.stderr = (io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8",
+                                                   line_buffering=True, write_through=True) for fd in (1, 2))
+        code = main(args)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except BaseException:  # what an uncaught exception does to the interpreter: a traceback, exit 1
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+    return code

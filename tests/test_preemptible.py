@@ -7,11 +7,8 @@ decision reads nothing but those files (not the rank), so all processes agree: n
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -19,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import ROOT, tiny_config, train_here, write_config
+from tests.helpers import NO_MEMORY_PLAN, start_train, tiny_config, train_here, write_config
 from tests.test_resume import final_weights
 
 pytestmark = pytest.mark.slow  # every test here trains (make test-fast leaves them out)
@@ -35,14 +32,15 @@ def job_config(tmp_path: Path) -> dict:
 class Job:
     """`train_sdxl.py --config <path> --set training.resume_from=latest`, the job script's one command."""
 
-    def __init__(self, path: Path, python_options: tuple[str, ...] = (), own_group: bool = False) -> None:
-        """`python_options` go to the interpreter (e.g. `-X importtime`); `own_group` starts it in a
-        process group of its own, which a terminal's Ctrl-C reaches as a whole (workers included)."""
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-        self.process = subprocess.Popen(
-            [sys.executable, *python_options, str(ROOT / "train_sdxl.py"), "--config", str(path),
-             "--set", "training.resume_from=latest"],
-            env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=own_group)
+    def __init__(self, path: Path, python_options: tuple[str, ...] = (), own_group: bool = False,
+                 latest: bool = True, steps: int = STEPS) -> None:
+        """A process of its own (see `start_train`); `python_options` go to a fresh interpreter (e.g.
+        `-X importtime`); `own_group` starts it in a process group of its own, which a terminal's
+        Ctrl-C reaches as a whole (workers included); without `latest`, the plain `--config` command
+        of a run of `steps` steps."""
+        self.steps = steps
+        latest_args = ["--set", "training.resume_from=latest"] if latest else []
+        self.process = start_train(["--config", str(path), *latest_args], own_group, python_options)
         self.stdout: list[str] = []
         self.stderr: list[str] = []  # tqdm rewrites its line with \r: read characters, not lines
         self.readers = [threading.Thread(target=self._drain, args=(stream, sink), daemon=True)
@@ -63,7 +61,7 @@ class Job:
             time.sleep(0.02)
 
     def steps_done(self) -> int:
-        counts = re.findall(rf"\| *(\d+)/{STEPS} ", "".join(self.stderr))
+        counts = re.findall(rf"\| *(\d+)/{self.steps} ", "".join(self.stderr))
         return int(counts[-1]) if counts else 0
 
     def kill(self) -> None:
@@ -110,7 +108,7 @@ def test_one_command_starts_fresh_restarts_fresh_then_resumes(tmp_path: Path, ti
 def test_latest_with_no_checkpoint_is_a_fresh_plan_and_a_missing_folder_stays_an_error(tmp_path: Path,
                                                                                      tiny_sdxl_dir: Path) -> None:
     path = write_config(tmp_path / "c.json", tiny_config(tmp_path))
-    dry = train_here("--config", str(path), "--set", "training.resume_from=latest", "--dry-run")
+    dry = train_here("--config", str(path), "--set", "training.resume_from=latest", "--dry-run", *NO_MEMORY_PLAN)
     assert dry.returncode == 0, dry.stderr[-3000:]
     assert f"resume: latest: no checkpoint in {tmp_path / 'out' / 'test_run' / 'checkpoints'} {FRESH}" in dry.stdout
 

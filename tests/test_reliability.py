@@ -27,7 +27,7 @@ from sdxl_trainer.checkpointing import list_checkpoints, load_state, prune_check
 from sdxl_trainer.config import ConfigError, load_config
 from sdxl_trainer.output_folder import LEFTOVER, OutputLock, remove_leftovers
 from sdxl_trainer.planning import plan_run
-from tests.helpers import DATA_DIR, ROOT, tiny_config, train_here, write_config
+from tests.helpers import DATA_DIR, NO_MEMORY_PLAN, ROOT, tiny_config, train_here, write_config
 from tests.test_preemptible import STEPS, Job
 from tests.test_resume import final_weights
 
@@ -151,14 +151,17 @@ def test_kill_9_at_random_moments_leaves_nothing_behind_and_the_weights_exact(
     before writing anything, keeps at most `checkpoints_total_limit`, and the run ends bit-identical
     to one that was never killed. A kill is also simulated at the worst places (a temp folder and
     an extra old checkpoint, as a kill between writing a checkpoint and pruning leaves them)."""
-    settings = {"num_steps": STEPS, "checkpoint_every": 2, "checkpoints_total_limit": 2, "log_every": 1}
+    steps = 12  # the last kill comes after step 8 and a moment: a run to finish after it, unkilled
+    settings = {"num_steps": steps, "checkpoint_every": 2, "checkpoints_total_limit": 2, "log_every": 1}
     straight = tiny_config(tmp_path / "straight", training=settings)
     assert train_here("--config", str(write_config(tmp_path / "s.json", straight))).returncode == 0
-    path = write_config(tmp_path / "job.json", tiny_config(tmp_path / "job", training=settings))
+    job_config = tiny_config(tmp_path / "job", training=settings)
+    job_config["data"] = straight["data"]  # the straight run's caches: the job's starts encode nothing
+    path = write_config(tmp_path / "job.json", job_config)
     out = tmp_path / "job" / "out" / "test_run"
     chance = random.Random(11)
     for attempt in range(3):
-        job = Job(path)
+        job = Job(path, steps=steps)
         job.wait_for(lambda job=job: "seed: " in "".join(job.stdout), "the start-up")
         assert not leftovers(out), f"start {attempt}: {leftovers(out)}"
         assert len(list_checkpoints(out / "checkpoints")) <= 2
@@ -174,7 +177,7 @@ def test_kill_9_at_random_moments_leaves_nothing_behind_and_the_weights_exact(
             shutil.copytree(checkpoints[-1], out / "checkpoints" / "checkpoint-1")
             (out / "checkpoints" / ".checkpoint-99.x1.tmp").mkdir()
             (out / ".trainer_state.pt.y2.tmp").write_bytes(b"partial")
-    job = Job(path)
+    job = Job(path, steps=steps)
     job.wait_for(lambda: "seed: " in "".join(job.stdout), "the start-up")
     assert not leftovers(out) and len(list_checkpoints(out / "checkpoints")) <= 2
     assert job.finish() == 0, "".join(job.stderr)[-3000:]
@@ -279,7 +282,8 @@ def test_plans_without_a_full_batch_are_refused_and_the_batch_reported_is_what_b
     assert train_sdxl.main(["--config", str(path), "--dry-run", "--set", "data.bucket.batch_size=64"]) == 2
     assert "18 usable image(s) are fewer than one global batch of 64" in capsys.readouterr().err
 
-    assert train_sdxl.main(["--config", str(path), "--dry-run", "--set", "data.bucket.batch_size=4"]) == 0
+    four = ["--set", "data.bucket.batch_size=4", *NO_MEMORY_PLAN]
+    assert train_sdxl.main(["--config", str(path), "--dry-run", *four]) == 0
     report = capsys.readouterr().out
     buckets = ("64x64", "96x64", "64x96")
     counts = [int(line.split()[1]) for line in report.splitlines() if line.strip().startswith(buckets)]
@@ -468,7 +472,7 @@ def test_metadata_lines_for_missing_images_are_warned_and_unusable_masks_give_th
     (images / "metadata.jsonl").write_text("\n".join(lines) + "\n")
     path = write_config(tmp_path / "c.json", tiny_config(tmp_path))
     overrides = ["--set", f"data.image_dir={images}", "--set", "data.caption_source=metadata"]
-    assert train_sdxl.main(["--config", str(path), "--dry-run", *overrides]) == 0
+    assert train_sdxl.main(["--config", str(path), "--dry-run", *overrides, *NO_MEMORY_PLAN]) == 0
     report = capsys.readouterr().out
     assert (f"  warning: {images / 'metadata.jsonl'}, line 3: no image 'shape_99.png' in {images}; the line is not "
             "used") in report
@@ -545,8 +549,11 @@ def test_a_stop_during_the_last_final_write_saves_a_checkpoint_as_it_says(
     out = tmp_path / "out" / "test_run"
     real_save_state = checkpointing.save_state
 
+    signalled = []
+
     def state_interrupted(where, *args, **kwargs):
-        if Path(where) == out / "trainer_state.pt":
+        if Path(where) == out / "trainer_state.pt" and not signalled:  # once: the checkpoint writes it again
+            signalled.append(where)
             os.kill(os.getpid(), signal.SIGTERM)
         return real_save_state(where, *args, **kwargs)
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 import train_sdxl
 from sdxl_trainer.checkpointing import Position, load_state
-from tests.helpers import ROOT, run_cli, tiny_config, train_here, write_config
+from tests.helpers import NO_MEMORY_PLAN, ROOT, run_cli, tiny_config, train_here, write_config
 
 
 def resumable_config(tmp_path: Path, adapter_type: str, **training) -> dict:
@@ -110,22 +110,19 @@ def test_a_crash_while_writing_keeps_the_previous_checkpoint(tmp_path: Path, tin
 
 @pytest.mark.slow
 def test_sigkill_at_any_moment_leaves_loadable_checkpoints(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
+    """Each start is a process of its own, killed at another point of the write cycle."""
+    from tests.test_preemptible import Job
+
     config = tiny_config(tmp_path, training={"num_steps": 400, "checkpoint_every": 1, "checkpoints_total_limit": 3})
     path = write_config(tmp_path / "c.json", config)
     checkpoints = tmp_path / "out" / "test_run" / "checkpoints"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     for delay in (0.0, 0.3, 0.7):  # killed at different points of the write cycle
-        process = subprocess.Popen([sys.executable, str(ROOT / "train_sdxl.py"), "--config", str(path),
-                                    *(["--set", "training.resume_from=latest"] if checkpoints.exists() else [])],
-                                   env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 240
         start_count = len(list(checkpoints.glob("checkpoint-*"))) if checkpoints.exists() else 0
-        while time.time() < deadline and (not checkpoints.exists()
-                                          or len(list(checkpoints.glob("checkpoint-*"))) <= start_count):
-            time.sleep(0.05)
+        job = Job(path)  # resumes from the latest checkpoint, or starts the run while there is none
+        job.wait_for(lambda start_count=start_count: checkpoints.exists()
+                     and len(list(checkpoints.glob("checkpoint-*"))) > start_count, "a new checkpoint")
         time.sleep(delay)
-        process.send_signal(signal.SIGKILL)
-        process.wait()
+        job.kill()
         for checkpoint in checkpoints.glob("checkpoint-*"):
             step = load_state(checkpoint / "trainer_state.pt").snapshot.position.step
             assert step == int(checkpoint.name.split("-")[1])
@@ -139,28 +136,26 @@ def test_sigkill_at_any_moment_leaves_loadable_checkpoints(tmp_path: Path, tiny_
 
 @pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_and_prints_a_working_resume_command(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
-    config = tiny_config(tmp_path, training={"num_steps": 40, "checkpoint_every": 1000})
-    path = write_config(tmp_path / "c.json", config)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen([sys.executable, str(ROOT / "train_sdxl.py"), "--config", str(path)], env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    events = tmp_path / "tb" / "test_run"
-    deadline = time.time() + 240
-    while time.time() < deadline and not list(events.glob("events.*")):
-        time.sleep(0.1)
-    time.sleep(3.0)  # well into training
-    process.send_signal(signal.SIGINT)
-    stdout, stderr = process.communicate(timeout=240)
-    assert process.returncode == 130, stderr[-3000:]
+    """The interrupted run is a process of its own; the command it prints is run as written (its
+    interpreter and script checked, its arguments given to `train_sdxl.main` here)."""
+    from tests.test_preemptible import STEPS, Job
+
+    config = tiny_config(tmp_path, training={"num_steps": STEPS, "checkpoint_every": 1000})
+    job = Job(write_config(tmp_path / "c.json", config), latest=False)
+    job.wait_for(lambda: job.steps_done() >= 1, "the first step")  # well into training
+    job.process.send_signal(signal.SIGINT)
+    assert job.finish() == 130, "".join(job.stderr)[-3000:]
+    stdout, stderr = "".join(job.stdout), "".join(job.stderr)
     assert "SIGINT: finishing this step" in stderr
-    command = stdout.split("Resume with:\n")[1].strip().splitlines()[0]
+    command = shlex.split(stdout.split("Resume with:\n")[1].strip().splitlines()[0])
     step = int(stdout.split("checkpoint saved at step ")[1].split(".")[0])
-    assert 0 < step < 40
-    resumed = subprocess.run(shlex.split(command), env=env, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert 0 < step < STEPS
+    assert command[:2] == [sys.executable, str(ROOT / "train_sdxl.py")]
+    resumed = train_here(*command[2:])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at step {step} " in resumed.stdout
     summary = json.loads((tmp_path / "out" / "test_run" / "run_summary.json").read_text())
-    assert summary["status"] == "completed" and summary["steps"] == 40
+    assert summary["status"] == "completed" and summary["steps"] == STEPS
 
 
 def test_a_repeated_signal_is_one_request_and_a_later_press_exits_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -276,7 +271,7 @@ def test_latest_passes_over_a_damaged_newest_checkpoint(tmp_path: Path, tiny_sdx
     state.write_bytes(intact[: len(intact) // 2])
     longer = ["--config", str(path), "--set", "training.num_steps=8"]
     capsys.readouterr()
-    assert train_sdxl.main([*longer, "--dry-run"]) == 0
+    assert train_sdxl.main([*longer, "--dry-run", *NO_MEMORY_PLAN]) == 0
     out = capsys.readouterr().out
     assert f"resume: from {checkpoints / 'checkpoint-2'} at step 2" in out
     assert f"warning: checkpoint-4 is damaged ({state}: not a readable trainer state" in out

@@ -16,7 +16,7 @@ from sdxl_trainer.config import Config
 from sdxl_trainer.models import load_pipeline, with_components
 from sdxl_trainer.recorded_encoder import record_encoder
 from sdxl_trainer.text_cache import TextCache, build_text_cache, encoder_spec, run_texts
-from tests.helpers import DATA_DIR, tiny_config, train_here, write_config
+from tests.helpers import DATA_DIR, NO_MEMORY_PLAN, tiny_config, train_here, write_config
 from tests.test_resume import final_weights
 
 FROZEN = {"train_text_encoder_1": False}
@@ -81,21 +81,21 @@ def test_dry_run_counts_hits_and_an_edited_caption_misses_for_its_image_only(tmp
     config = tiny_config(tmp_path, model=FROZEN, training={"num_steps": 1})
     config["data"].update(image_dir=str(images), **AUGMENTED)
     path = write_config(tmp_path / "c.json", config)
-    before = train_here("--config", str(path), "--dry-run")
+    before = train_here("--config", str(path), "--dry-run", *NO_MEMORY_PLAN)
     assert before.returncode == 0, before.stderr[-2000:]
     texts = texts_of(config)
     assert f"{len(texts)} caption texts (18 images, 2 shuffle variants per caption): 0 hits, " \
            f"{2 * len(texts)} misses" in before.stdout
     assert len(texts) > 18  # the variants of the captions with several parts
     assert train_here("--config", str(path)).returncode == 0
-    after = train_here("--config", str(path), "--dry-run")
+    after = train_here("--config", str(path), "--dry-run", *NO_MEMORY_PLAN)
     assert f"{2 * len(texts)} hits, 0 misses" in after.stdout
 
     edited_caption = "tok, an edited caption, green"
     (images / "shape_03.txt").write_text(edited_caption, encoding="utf-8")
     new_texts = possible_captions([(edited_caption, Config.model_validate(config).data)], 7) - {""}
     assert 2 <= len(new_texts) <= 3  # the caption and its shuffle variants
-    edited = train_here("--config", str(path), "--dry-run")
+    edited = train_here("--config", str(path), "--dry-run", *NO_MEMORY_PLAN)
     now = texts_of(config)
     assert set(now) - set(texts) == new_texts  # the edited image's texts are the only new ones
     assert f"{2 * (len(now) - len(new_texts))} hits, {2 * len(new_texts)} misses" in edited.stdout, edited.stdout

@@ -48,7 +48,7 @@ def test_loss_at_fixed_noise_and_timesteps_falls(tmp_path: Path, tiny_sdxl_dir: 
 
     with torch.no_grad():
         before = loss().item()
-    for _ in range(50):
+    for _ in range(15):  # here 15 steps take it to about 0.35 (DoRA) and 0.30 (full) of where it started
         loss().backward()
         optimizer.step()
         optimizer.zero_grad()
