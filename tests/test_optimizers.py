@@ -5,6 +5,7 @@ ones, training goes on from the trained ones exactly."""
 from __future__ import annotations
 
 import copy
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from sdxl_trainer.diffusion import DrawSettings, LossModels, diffusion_loss, mak
 from sdxl_trainer.models import load_pipeline
 from sdxl_trainer.optimizers import averaged_weights, check_optimizer, make_optimizer
 from sdxl_trainer.training_setup import prepare_trainable
-from tests.helpers import accelerate_launch, tiny_config, write_config
+from tests.helpers import accelerate_launch_runs, tiny_config, train_args, write_config
 from tests.test_multiprocess import LAUNCH_TWO
 
 # Learning rates each optimizer trains the tiny model with (Prodigy's is a multiplier of its own step).
@@ -186,17 +187,28 @@ def test_arguments_and_combinations_are_checked(tmp_path: Path, capsys: pytest.C
         in capsys.readouterr().out
 
 
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory: pytest.TempPathFactory,
+                     tiny_sdxl_dir: Path) -> dict[str, subprocess.CompletedProcess]:
+    """Each optimizer's 4-step run under DDP, one after another in one launch (one launch's imports)."""
+    tmp_path = tmp_path_factory.mktemp("ddp")
+    runs = {}
+    for kind in NEW_OPTIMIZERS:
+        config = optimizer_config(tmp_path / kind, kind, num_steps=4, log_every=1)
+        if kind == "adamw_schedulefree":
+            prompts = Path(__file__).parent / "eval_prompts.three.json"
+            config["eval"] = {"num_inference_steps": 2, "prompts_path": str(prompts), "width": 64, "height": 64,
+                              "live": {"enabled": True, "every_n_steps": 2, "max_batches": 1}}
+        runs[kind] = train_args(write_config(tmp_path / kind / "c.json", config))
+    return accelerate_launch_runs(LAUNCH_TWO, runs, tmp_path / "results")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", NEW_OPTIMIZERS)
-def test_two_processes_stay_identical(kind: str, tmp_path: Path, tiny_sdxl_dir: Path) -> None:
+def test_two_processes_stay_identical(kind: str, two_process_runs: dict[str, subprocess.CompletedProcess]) -> None:
     """Under DDP every rank must hold the same weights (checked every step). Schedule-free switches
     every process to its averaged weights for a live eval and back; Prodigy's estimate of the step
     size comes from the all-reduced gradients, so it is the same on every rank."""
-    config = optimizer_config(tmp_path, kind, num_steps=4, log_every=1)
-    if kind == "adamw_schedulefree":
-        prompts = Path(__file__).parent / "eval_prompts.three.json"
-        config["eval"] = {"num_inference_steps": 2, "prompts_path": str(prompts), "width": 64, "height": 64,
-                          "live": {"enabled": True, "every_n_steps": 2, "max_batches": 1}}
-    result = accelerate_launch(LAUNCH_TWO, write_config(tmp_path / "c.json", config))
+    result = two_process_runs[kind]
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 processes held identical weights at all 4 checks" in result.stdout
