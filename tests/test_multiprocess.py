@@ -17,7 +17,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import ROOT, accelerate_launch, free_port, run_cli, tiny_config, write_config
+from tests.helpers import (
+    ROOT,
+    accelerate_launch,
+    accelerate_launch_runs,
+    free_port,
+    tiny_config,
+    train_args,
+    train_here,
+    write_config,
+)
 
 pytestmark = pytest.mark.slow  # every test here trains (make test-fast leaves them out)
 
@@ -40,12 +49,25 @@ def config_for(tmp_path: Path, per_process_batch: int, **training) -> dict:
 
 
 @pytest.fixture(scope="module")
-def two_process_run(tmp_path_factory: pytest.TempPathFactory, tiny_sdxl_dir: Path) -> Path:
-    tmp_path = tmp_path_factory.mktemp("ddp")
-    config = config_for(tmp_path, per_process_batch=1)
+def two_process_launch(tmp_path_factory: pytest.TempPathFactory,
+                       tiny_sdxl_dir: Path) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """A 6-step 2-process run, then a 2-process resume from its checkpoint at step 3, one after the
+    other in one launch (one launch's imports): each run's folder and result."""
+    straight, resumed = tmp_path_factory.mktemp("ddp"), tmp_path_factory.mktemp("ddp-resumed")
+    config = config_for(straight, per_process_batch=1)
     config["eval"] = {"num_inference_steps": 2, "prompts_path": PROMPTS, "width": 64, "height": 64,
                       "final": {"enabled": True, "max_batches": 2}}
-    result = launch_two(write_config(tmp_path / "c.json", config))
+    checkpoint = straight / "out" / "test_run" / "checkpoints" / "checkpoint-3"
+    runs = {"straight": train_args(write_config(straight / "c.json", config)),
+            "resumed": train_args(write_config(resumed / "c.json", config_for(resumed, per_process_batch=1,
+                                                                             resume_from=str(checkpoint))))}
+    results = accelerate_launch_runs(LAUNCH_TWO, runs, straight / "results")
+    return {"straight": (straight, results["straight"]), "resumed": (resumed, results["resumed"])}
+
+
+@pytest.fixture(scope="module")
+def two_process_run(two_process_launch: dict[str, tuple[Path, subprocess.CompletedProcess]]) -> Path:
+    tmp_path, result = two_process_launch["straight"]
     assert result.returncode == 0, result.stderr[-4000:]
     assert "2 processes held identical weights at all 6 checks" in result.stdout  # after every step
     assert result.stdout.count("completed: 6 steps") == 1
@@ -65,7 +87,7 @@ def test_two_processes_write_one_set_of_outputs(two_process_run: Path) -> None:
 
 def test_two_processes_match_one_process_with_the_same_global_batch(two_process_run: Path, tmp_path: Path) -> None:
     single = config_for(tmp_path, per_process_batch=2)
-    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "c.json", single)))
+    result = train_here("--config", str(write_config(tmp_path / "c.json", single)))
     assert result.returncode == 0, result.stderr[-3000:]
     two = load_file(two_process_run / "out" / "test_run" / "pytorch_lora_weights.safetensors")
     one = load_file(tmp_path / "out" / "test_run" / "pytorch_lora_weights.safetensors")
@@ -79,10 +101,9 @@ def test_two_processes_match_one_process_with_the_same_global_batch(two_process_
         torch.testing.assert_close(two[key], one[key], rtol=1e-3, atol=5e-5)
 
 
-def test_two_process_resume_reaches_the_uninterrupted_weights(two_process_run: Path, tmp_path: Path) -> None:
-    checkpoint = two_process_run / "out" / "test_run" / "checkpoints" / "checkpoint-3"
-    resumed = config_for(tmp_path, per_process_batch=1, resume_from=str(checkpoint))
-    result = launch_two(write_config(tmp_path / "c.json", resumed))
+def test_two_process_resume_reaches_the_uninterrupted_weights(
+        two_process_run: Path, two_process_launch: dict[str, tuple[Path, subprocess.CompletedProcess]]) -> None:
+    tmp_path, result = two_process_launch["resumed"]
     assert result.returncode == 0, result.stderr[-4000:]
     assert "resume: from" in result.stdout and "at step 3" in result.stdout
     straight = load_file(two_process_run / "out" / "test_run" / "pytorch_lora_weights.safetensors")
