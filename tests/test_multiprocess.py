@@ -1,6 +1,7 @@
 """The same script under `accelerate launch` with two CPU processes (gloo): it finishes, the ranks
 agree, the result equals one process with the same global batch, only one set of outputs is
-written, and a 2-process resume reaches the 2-process result."""
+written, and a 2-process resume reaches the 2-process result. Also the 2-process runs of other
+modules' subjects (each optimizer; LoKr with EMA and live eval), here to share this module's launch."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from tests.helpers import (
     train_here,
     write_config,
 )
+from tests.test_lycoris_adapters import lycoris_config
+from tests.test_optimizers import NEW_OPTIMIZERS, optimizer_config
 
 pytestmark = pytest.mark.slow  # every test here trains (make test-fast leaves them out)
 
@@ -48,26 +51,46 @@ def config_for(tmp_path: Path, per_process_batch: int, **training) -> dict:
     return config
 
 
+def optimizer_run_config(tmp_path: Path, kind: str) -> dict:
+    """4 steps of `kind`; schedule-free also switches to its averaged weights for a live eval and back."""
+    config = optimizer_config(tmp_path, kind, num_steps=4, log_every=1)
+    if kind == "adamw_schedulefree":
+        config["eval"] = {"num_inference_steps": 2, "prompts_path": PROMPTS, "width": 64, "height": 64,
+                          "live": {"enabled": True, "every_n_steps": 2, "max_batches": 1}}
+    return config
+
+
+def lokr_ema_config(tmp_path: Path) -> dict:
+    config = lycoris_config(tmp_path, "lokr", num_steps=4, log_every=1, ema_update_every=1)
+    config["model"] |= {"use_ema": True, "ema_decay": 0.5}
+    config["eval"] = {"num_inference_steps": 2, "prompts_path": PROMPTS, "width": 64, "height": 64,
+                      "live": {"enabled": True, "every_n_steps": 2, "max_batches": 1}}
+    config["export"] = {"save_single_file": False, "adapter_formats": ["diffusers"]}
+    return config
+
+
 @pytest.fixture(scope="module")
 def two_process_launch(tmp_path_factory: pytest.TempPathFactory,
                        tiny_sdxl_dir: Path) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
-    """A 6-step 2-process run, then a 2-process resume from its checkpoint at step 3, one after the
-    other in one launch (one launch's imports): each run's folder and result."""
-    straight, resumed = tmp_path_factory.mktemp("ddp"), tmp_path_factory.mktemp("ddp-resumed")
-    config = config_for(straight, per_process_batch=1)
-    config["eval"] = {"num_inference_steps": 2, "prompts_path": PROMPTS, "width": 64, "height": 64,
-                      "final": {"enabled": True, "max_batches": 2}}
-    checkpoint = straight / "out" / "test_run" / "checkpoints" / "checkpoint-3"
-    runs = {"straight": train_args(write_config(straight / "c.json", config)),
-            "resumed": train_args(write_config(resumed / "c.json", config_for(resumed, per_process_batch=1,
-                                                                             resume_from=str(checkpoint))))}
-    results = accelerate_launch_runs(LAUNCH_TWO, runs, straight / "results")
-    return {"straight": (straight, results["straight"]), "resumed": (resumed, results["resumed"])}
+    """The 2-process runs that need no launch of their own, one after another in one launch (one
+    launch's imports, not one each): a 6-step run, its resume from the checkpoint at step 3, each
+    optimizer's run and the LoKr run. Each run's folder and result."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in ("ddp", "resumed", *NEW_OPTIMIZERS, "lokr")}
+    straight = config_for(folders["ddp"], per_process_batch=1)
+    straight["eval"] = {"num_inference_steps": 2, "prompts_path": PROMPTS, "width": 64, "height": 64,
+                        "final": {"enabled": True, "max_batches": 2}}
+    checkpoint = folders["ddp"] / "out" / "test_run" / "checkpoints" / "checkpoint-3"
+    configs = {"ddp": straight, "resumed": config_for(folders["resumed"], 1, resume_from=str(checkpoint)),
+               **{kind: optimizer_run_config(folders[kind], kind) for kind in NEW_OPTIMIZERS},
+               "lokr": lokr_ema_config(folders["lokr"])}
+    runs = {name: train_args(write_config(folders[name] / "c.json", config)) for name, config in configs.items()}
+    results = accelerate_launch_runs(LAUNCH_TWO, runs, folders["ddp"] / "results")
+    return {name: (folders[name], results[name]) for name in runs}
 
 
 @pytest.fixture(scope="module")
 def two_process_run(two_process_launch: dict[str, tuple[Path, subprocess.CompletedProcess]]) -> Path:
-    tmp_path, result = two_process_launch["straight"]
+    tmp_path, result = two_process_launch["ddp"]
     assert result.returncode == 0, result.stderr[-4000:]
     assert "2 processes held identical weights at all 6 checks" in result.stdout  # after every step
     assert result.stdout.count("completed: 6 steps") == 1
@@ -109,6 +132,30 @@ def test_two_process_resume_reaches_the_uninterrupted_weights(
     straight = load_file(two_process_run / "out" / "test_run" / "pytorch_lora_weights.safetensors")
     again = load_file(tmp_path / "out" / "test_run" / "pytorch_lora_weights.safetensors")
     assert all(torch.equal(straight[key], again[key]) for key in straight)
+
+
+@pytest.mark.parametrize("kind", NEW_OPTIMIZERS)
+def test_two_processes_stay_identical(
+        kind: str, two_process_launch: dict[str, tuple[Path, subprocess.CompletedProcess]]) -> None:
+    """Under DDP every rank must hold the same weights (checked every step). Schedule-free switches
+    every process to its averaged weights for a live eval and back; Prodigy's estimate of the step
+    size comes from the all-reduced gradients, so it is the same on every rank."""
+    result = two_process_launch[kind][1]
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 processes held identical weights at all 4 checks" in result.stdout
+
+
+def test_lokr_with_ema_and_live_eval_keeps_two_processes_identical(
+        two_process_launch: dict[str, tuple[Path, subprocess.CompletedProcess]]) -> None:
+    """DDP, EMA and eval treat a LoKr adapter as they treat LoRA: every rank holds the same weights
+    at every step, the live eval renders valid images, and the final weights are the EMA's."""
+    tmp_path, result = two_process_launch["lokr"]
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 processes held identical weights at all 4 checks" in result.stdout
+    assert "final weights: EMA of the trained weights" in result.stdout
+    output = tmp_path / "out" / "test_run"
+    assert sorted(p.name for p in (output / "eval" / "live" / "step_2").iterdir())[-1] == "grid.png"
+    assert not list(output.rglob("*_INVALID.png"))
 
 
 def test_ctrl_c_under_accelerate_launch_saves_a_checkpoint_that_two_processes_resume(tmp_path: Path,
