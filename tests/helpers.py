@@ -80,9 +80,41 @@ def accelerate_launch(launch_args: list[str], config_path: Path, *overrides: str
                       target: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """`accelerate launch <launch_args> [target] train_sdxl.py --config ... --set ...` in a fresh
     interpreter, one thread per process (the processes share this machine's cores)."""
+    return _launch(launch_args, [*target, str(ROOT / "train_sdxl.py"), *train_args(config_path, *overrides)])
+
+
+def train_args(config_path: Path, *overrides: str) -> list[str]:
+    """`--config PATH --set OVERRIDE ...`: train_sdxl.py's command line."""
+    return ["--config", str(config_path), *[part for item in overrides for part in ("--set", item)]]
+
+
+def accelerate_launch_runs(launch_args: list[str], runs: dict[str, list[str]], folder: Path,
+                           target: tuple[str, ...] = (), env: dict[str, dict[str, str]] | None = None,
+                           processes: int = 2) -> dict[str, subprocess.CompletedProcess]:
+    """One `accelerate launch` that trains `runs` (name: train_sdxl.py's arguments) one after another
+    in the same processes (tests/runs_in_one_launch.py; `env`: variables for some runs only), for
+    tests that need two processes to train but no launch of their own. Each run's result is what
+    `accelerate_launch` would give for it alone: the first failing process's exit code, and the
+    processes' output in rank order (and the launch's stderr where not all `processes` finished it)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    plan = {"folder": str(folder), "runs": [{"name": name, "args": args, "env": (env or {}).get(name, {})}
+                                            for name, args in runs.items()]}
+    plan_path = folder / "plan.json"
+    plan_path.write_text(json.dumps(plan), encoding="utf-8")
+    launch = _launch(launch_args, [*target, str(ROOT / "tests" / "runs_in_one_launch.py"), str(plan_path)])
+    results = {}
+    for name, args in runs.items():
+        ranks = [json.loads(path.read_text(encoding="utf-8")) for path in sorted(folder.glob(f"{name}.rank*.json"))]
+        finished = len(ranks) == processes
+        codes = [rank["code"] for rank in ranks if rank["code"] != 0] or [0 if finished else launch.returncode or 1]
+        stderr = "".join(rank["stderr"] for rank in ranks) + ("" if finished else launch.stderr)
+        results[name] = subprocess.CompletedProcess(args, codes[0], "".join(rank["stdout"] for rank in ranks), stderr)
+    return results
+
+
+def _launch(launch_args: list[str], script_and_args: list[str]) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "accelerate.commands.launch", *launch_args,
-               "--main_process_port", str(free_port()), *target, str(ROOT / "train_sdxl.py"),
-               "--config", str(config_path), *[part for item in overrides for part in ("--set", item)]]
+               "--main_process_port", str(free_port()), *script_and_args]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 

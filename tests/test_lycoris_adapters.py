@@ -1,6 +1,7 @@
 """LoKr and LoHa: trained through peft, exported in LyCORIS's key format, judged by LyCORIS's own
 modules (its merge of our file must equal peft's merged weight), named as ComfyUI's SDXL key map
-names them, merged exactly into the single file, resumed bit-exactly, and read by the doctor."""
+names them, merged exactly into the single file, resumed bit-exactly, and read by the doctor.
+(LoKr under DDP with EMA and live eval is in tests/test_multiprocess.py, sharing that module's launch.)"""
 
 from __future__ import annotations
 
@@ -218,28 +219,6 @@ def test_the_doctor_reads_checks_and_repairs_lycoris_files(trained: SimpleNamesp
     module = victim.rsplit(".", 1)[0]
     assert all(not fixed[key].any() for key in fixed if key.startswith(module + ".") and not key.endswith("alpha"))
     assert all(torch.equal(fixed[key], trained.kohya[key]) for key in fixed if not key.startswith(module + "."))
-
-
-@pytest.mark.slow
-def test_lokr_with_ema_and_live_eval_keeps_two_processes_identical(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
-    """DDP, EMA and eval treat a LoKr adapter as they treat LoRA: every rank holds the same weights
-    at every step, the live eval renders valid images, and the final weights are the EMA's."""
-    from tests.helpers import accelerate_launch
-    from tests.test_multiprocess import LAUNCH_TWO
-
-    config = lycoris_config(tmp_path, "lokr", num_steps=4, log_every=1, ema_update_every=1)
-    config["model"] |= {"use_ema": True, "ema_decay": 0.5}
-    prompts = Path(__file__).parent / "eval_prompts.three.json"
-    config["eval"] = {"num_inference_steps": 2, "prompts_path": str(prompts), "width": 64, "height": 64,
-                      "live": {"enabled": True, "every_n_steps": 2, "max_batches": 1}}
-    config["export"] = {"save_single_file": False, "adapter_formats": ["diffusers"]}
-    result = accelerate_launch(LAUNCH_TWO, write_config(tmp_path / "c.json", config))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "2 processes held identical weights at all 4 checks" in result.stdout
-    assert "final weights: EMA of the trained weights" in result.stdout
-    output = tmp_path / "out" / "test_run"
-    assert sorted(p.name for p in (output / "eval" / "live" / "step_2").iterdir())[-1] == "grid.png"
-    assert not list(output.rglob("*_INVALID.png"))
 
 
 # ------------------------------------------------------------- LyCORIS's LoKr loader, full size

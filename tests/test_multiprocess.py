@@ -1,6 +1,7 @@
 """The same script under `accelerate launch` with two CPU processes (gloo): it finishes, the ranks
 agree, the result equals one process with the same global batch, only one set of outputs is
-written, and a 2-process resume reaches the 2-process result."""
+written, and a 2-process resume reaches the 2-process result. Also the 2-process runs of other
+modules' subjects (each optimizer; LoKr with EMA and live eval), here to share this module's launch."""
 
 from __future__ import annotations
 
@@ -17,7 +18,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import ROOT, accelerate_launch, free_port, run_cli, tiny_config, write_config
+from tests.helpers import (
+    ROOT,
+    accelerate_launch,
+    accelerate_launch_runs,
+    free_port,
+    tiny_config,
+    train_args,
+    train_here,
+    write_config,
+)
+from tests.test_lycoris_adapters import lycoris_config
+from tests.test_optimizers import NEW_OPTIMIZERS, optimizer_config
 
 pytestmark = pytest.mark.slow  # every test here trains (make test-fast leaves them out)
 
@@ -39,13 +51,46 @@ def config_for(tmp_path: Path, per_process_batch: int, **training) -> dict:
     return config
 
 
-@pytest.fixture(scope="module")
-def two_process_run(tmp_path_factory: pytest.TempPathFactory, tiny_sdxl_dir: Path) -> Path:
-    tmp_path = tmp_path_factory.mktemp("ddp")
-    config = config_for(tmp_path, per_process_batch=1)
+def optimizer_run_config(tmp_path: Path, kind: str) -> dict:
+    """4 steps of `kind`; schedule-free also switches to its averaged weights for a live eval and back."""
+    config = optimizer_config(tmp_path, kind, num_steps=4, log_every=1)
+    if kind == "adamw_schedulefree":
+        config["eval"] = {"num_inference_steps": 2, "prompts_path": PROMPTS, "width": 64, "height": 64,
+                          "live": {"enabled": True, "every_n_steps": 2, "max_batches": 1}}
+    return config
+
+
+def lokr_ema_config(tmp_path: Path) -> dict:
+    config = lycoris_config(tmp_path, "lokr", num_steps=4, log_every=1, ema_update_every=1)
+    config["model"] |= {"use_ema": True, "ema_decay": 0.5}
     config["eval"] = {"num_inference_steps": 2, "prompts_path": PROMPTS, "width": 64, "height": 64,
-                      "final": {"enabled": True, "max_batches": 2}}
-    result = launch_two(write_config(tmp_path / "c.json", config))
+                      "live": {"enabled": True, "every_n_steps": 2, "max_batches": 1}}
+    config["export"] = {"save_single_file": False, "adapter_formats": ["diffusers"]}
+    return config
+
+
+@pytest.fixture(scope="module")
+def two_process_launch(tmp_path_factory: pytest.TempPathFactory,
+                       tiny_sdxl_dir: Path) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+    """The 2-process runs that need no launch of their own, one after another in one launch (one
+    launch's imports, not one each): a 6-step run, its resume from the checkpoint at step 3, each
+    optimizer's run and the LoKr run. Each run's folder and result."""
+    folders = {name: tmp_path_factory.mktemp(name) for name in ("ddp", "resumed", *NEW_OPTIMIZERS, "lokr")}
+    straight = config_for(folders["ddp"], per_process_batch=1)
+    straight["eval"] = {"num_inference_steps": 2, "prompts_path": PROMPTS, "width": 64, "height": 64,
+                        "final": {"enabled": True, "max_batches": 2}}
+    checkpoint = folders["ddp"] / "out" / "test_run" / "checkpoints" / "checkpoint-3"
+    configs = {"ddp": straight, "resumed": config_for(folders["resumed"], 1, resume_from=str(checkpoint)),
+               **{kind: optimizer_run_config(folders[kind], kind) for kind in NEW_OPTIMIZERS},
+               "lokr": lokr_ema_config(folders["lokr"])}
+    runs = {name: train_args(write_config(folders[name] / "c.json", config)) for name, config in configs.items()}
+    results = accelerate_launch_runs(LAUNCH_TWO, runs, folders["ddp"] / "results")
+    return {name: (folders[name], results[name]) for name in runs}
+
+
+@pytest.fixture(scope="module")
+def two_process_run(two_process_launch: dict[str, tuple[Path, subprocess.CompletedProcess]]) -> Path:
+    tmp_path, result = two_process_launch["ddp"]
     assert result.returncode == 0, result.stderr[-4000:]
     assert "2 processes held identical weights at all 6 checks" in result.stdout  # after every step
     assert result.stdout.count("completed: 6 steps") == 1
@@ -65,7 +110,7 @@ def test_two_processes_write_one_set_of_outputs(two_process_run: Path) -> None:
 
 def test_two_processes_match_one_process_with_the_same_global_batch(two_process_run: Path, tmp_path: Path) -> None:
     single = config_for(tmp_path, per_process_batch=2)
-    result = run_cli("train_sdxl.py", "--config", str(write_config(tmp_path / "c.json", single)))
+    result = train_here("--config", str(write_config(tmp_path / "c.json", single)))
     assert result.returncode == 0, result.stderr[-3000:]
     two = load_file(two_process_run / "out" / "test_run" / "pytorch_lora_weights.safetensors")
     one = load_file(tmp_path / "out" / "test_run" / "pytorch_lora_weights.safetensors")
@@ -79,15 +124,38 @@ def test_two_processes_match_one_process_with_the_same_global_batch(two_process_
         torch.testing.assert_close(two[key], one[key], rtol=1e-3, atol=5e-5)
 
 
-def test_two_process_resume_reaches_the_uninterrupted_weights(two_process_run: Path, tmp_path: Path) -> None:
-    checkpoint = two_process_run / "out" / "test_run" / "checkpoints" / "checkpoint-3"
-    resumed = config_for(tmp_path, per_process_batch=1, resume_from=str(checkpoint))
-    result = launch_two(write_config(tmp_path / "c.json", resumed))
+def test_two_process_resume_reaches_the_uninterrupted_weights(
+        two_process_run: Path, two_process_launch: dict[str, tuple[Path, subprocess.CompletedProcess]]) -> None:
+    tmp_path, result = two_process_launch["resumed"]
     assert result.returncode == 0, result.stderr[-4000:]
     assert "resume: from" in result.stdout and "at step 3" in result.stdout
     straight = load_file(two_process_run / "out" / "test_run" / "pytorch_lora_weights.safetensors")
     again = load_file(tmp_path / "out" / "test_run" / "pytorch_lora_weights.safetensors")
     assert all(torch.equal(straight[key], again[key]) for key in straight)
+
+
+@pytest.mark.parametrize("kind", NEW_OPTIMIZERS)
+def test_two_processes_stay_identical(
+        kind: str, two_process_launch: dict[str, tuple[Path, subprocess.CompletedProcess]]) -> None:
+    """Under DDP every rank must hold the same weights (checked every step). Schedule-free switches
+    every process to its averaged weights for a live eval and back; Prodigy's estimate of the step
+    size comes from the all-reduced gradients, so it is the same on every rank."""
+    result = two_process_launch[kind][1]
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 processes held identical weights at all 4 checks" in result.stdout
+
+
+def test_lokr_with_ema_and_live_eval_keeps_two_processes_identical(
+        two_process_launch: dict[str, tuple[Path, subprocess.CompletedProcess]]) -> None:
+    """DDP, EMA and eval treat a LoKr adapter as they treat LoRA: every rank holds the same weights
+    at every step, the live eval renders valid images, and the final weights are the EMA's."""
+    tmp_path, result = two_process_launch["lokr"]
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 processes held identical weights at all 4 checks" in result.stdout
+    assert "final weights: EMA of the trained weights" in result.stdout
+    output = tmp_path / "out" / "test_run"
+    assert sorted(p.name for p in (output / "eval" / "live" / "step_2").iterdir())[-1] == "grid.png"
+    assert not list(output.rglob("*_INVALID.png"))
 
 
 def test_ctrl_c_under_accelerate_launch_saves_a_checkpoint_that_two_processes_resume(tmp_path: Path,

@@ -1,6 +1,7 @@
 """The optimizers beyond AdamW (Prodigy, schedule-free AdamW, Lion, 8-bit Lion, CAME), their
 arguments, LoRA+, and schedule-free's two sets of weights: eval images and exports use the averaged
-ones, training goes on from the trained ones exactly."""
+ones, training goes on from the trained ones exactly. (Each optimizer's 2-process run is in
+tests/test_multiprocess.py, sharing that module's launch.)"""
 
 from __future__ import annotations
 
@@ -20,8 +21,7 @@ from sdxl_trainer.diffusion import DrawSettings, LossModels, diffusion_loss, mak
 from sdxl_trainer.models import load_pipeline
 from sdxl_trainer.optimizers import averaged_weights, check_optimizer, make_optimizer
 from sdxl_trainer.training_setup import prepare_trainable
-from tests.helpers import accelerate_launch, tiny_config, write_config
-from tests.test_multiprocess import LAUNCH_TWO
+from tests.helpers import tiny_config, write_config
 
 # Learning rates each optimizer trains the tiny model with (Prodigy's is a multiplier of its own step).
 NEW_OPTIMIZERS = {"prodigy": 1.0, "adamw_schedulefree": 1e-3, "lion": 1e-4, "lion8bit": 1e-4, "came": 1e-3}
@@ -184,19 +184,3 @@ def test_arguments_and_combinations_are_checked(tmp_path: Path, capsys: pytest.C
     assert train_sdxl.main(["--config", str(path), "--dry-run"]) == 0
     assert "warning: Prodigy's learning rates multiply its own step size; 0.001 makes its steps 1,000 times" \
         in capsys.readouterr().out
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", NEW_OPTIMIZERS)
-def test_two_processes_stay_identical(kind: str, tmp_path: Path, tiny_sdxl_dir: Path) -> None:
-    """Under DDP every rank must hold the same weights (checked every step). Schedule-free switches
-    every process to its averaged weights for a live eval and back; Prodigy's estimate of the step
-    size comes from the all-reduced gradients, so it is the same on every rank."""
-    config = optimizer_config(tmp_path, kind, num_steps=4, log_every=1)
-    if kind == "adamw_schedulefree":
-        prompts = Path(__file__).parent / "eval_prompts.three.json"
-        config["eval"] = {"num_inference_steps": 2, "prompts_path": str(prompts), "width": 64, "height": 64,
-                          "live": {"enabled": True, "every_n_steps": 2, "max_batches": 1}}
-    result = accelerate_launch(LAUNCH_TWO, write_config(tmp_path / "c.json", config))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "2 processes held identical weights at all 4 checks" in result.stdout
