@@ -136,7 +136,7 @@ def _call_key(func, args, kwargs) -> tuple | None:
     if _kind(func) is None or (_KINDS[func] == IN_PLACE and not args):
         return None
     leaves, spec = tree_flatten((args, kwargs))
-    key: list[Any] = [func, spec]
+    key: list[Any] = [func, spec, torch.get_default_dtype()]  # a factory call without a dtype makes the default
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             if leaf.device.type != "meta":
