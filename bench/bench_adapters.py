@@ -59,7 +59,7 @@ class Judge:
         from sdxl_trainer.eval.evaluator import eval_prompts
 
         self.config = load_config(ROOT / "configs" / "quickstart.json",
-                                  [f"eval.num_inference_steps={2 if smoke else EVAL_STEPS}"])
+                                  [f"eval.num_inference_steps={1 if smoke else EVAL_STEPS}"])
         prompts = eval_prompts(self.config)
         count = 1 if smoke else PROMPTS_PER_GROUP
         self.prompts = [prompt for group in ("concept", "prior")

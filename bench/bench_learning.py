@@ -61,6 +61,16 @@ def write_reg_images(folder: Path) -> None:
         (folder / f"reg_{seed}.txt").write_text(caption(scene) + "\n", encoding="utf-8")
 
 
+def smoke_prompts(folder: Path) -> Path:
+    """--smoke: the quickstart's first concept prompt and first prior prompt (one of each group
+    the rows report), written to `folder`."""
+    prompts = json.loads((ROOT / "data" / "eval_prompts.quickstart.json").read_text(encoding="utf-8"))
+    firsts = [next(prompt for prompt in prompts if prompt["group"] == group) for group in ("concept", "prior")]
+    path = folder / "eval_prompts.smoke.json"
+    path.write_text(json.dumps(firsts), encoding="utf-8")
+    return path
+
+
 def train(name: str, overrides: dict[str, Any], work: Path, steps: int, smoke: bool) -> dict[str, Any]:
     """One quickstart run with `overrides` (--smoke: in this process); the eval entries of its run summary."""
     settings = {"run.output_root": str(work / "runs"), "run.name": "run" + "".join(c for c in name if c.isalnum()),
@@ -112,13 +122,13 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         write_reg_images(work / "reg")
+        smoke = {"eval.num_inference_steps": 1, "eval.live.every_n_steps": 2,
+                 "eval.prompts_path": str(smoke_prompts(work))} if args.smoke else {}
         for name, overrides in runs.items():
             if name.startswith("DoRA + prior"):
                 overrides = {**overrides, "data.subsets": [{"image_dir": str(ROOT / "data" / "images")},
                                                            {"image_dir": str(work / "reg"), "is_reg": True}]}
-            if args.smoke:
-                overrides = {**overrides, "eval.num_inference_steps": 2, "eval.live.every_n_steps": 2}
-            result = train(name, overrides, work, steps, args.smoke)
+            result = train(name, {**overrides, **smoke}, work, steps, args.smoke)
             rows.append(row_of(name, result["evals"]))
             if not pictures:
                 live = result["output"] / "eval" / "live"

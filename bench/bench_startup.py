@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROOT, bench_args, run_measured, write_results
+from bench.common import ROOT, bench_args, measured_here, run_measured, write_results
 
 POOL = 300  # distinct photos; the image folders are hard links to them, in turn
 EVAL_OFF = ["--set", "eval.live.enabled=false", "--set", "eval.final.enabled=false"]
@@ -57,8 +58,10 @@ def image_folder(root: Path, count: int, pool: list[Path]) -> Path:
     return folder
 
 
-def preflight_rows(root: Path, dry_run: list[str], counts: list[int], repeats: int, pool_size: int) -> list[dict]:
-    """Cold (a new, empty scan cache) with 1 and 2 workers, then warm (the 2-worker run's cache)."""
+def preflight_rows(root: Path, dry_run: list[str], counts: list[int], repeats: int, pool_size: int,
+                   measure: Callable[[list[str]], tuple[float, int]] = run_measured) -> list[dict]:
+    """Cold (a new, empty scan cache) with 1 and 2 workers, then warm (the 2-worker run's cache),
+    each measured by `measure` (a fresh interpreter; --smoke: `measured_here`, this one)."""
     (root / "pool").mkdir()
     pool = [root / "pool" / f"photo_{seed:03d}.jpg" for seed in range(pool_size)]
     for seed, path in enumerate(pool):
@@ -70,9 +73,9 @@ def preflight_rows(root: Path, dry_run: list[str], counts: list[int], repeats: i
         measured = {}
         for workers in (1, 2):
             cache = root / f"scan_{count}_{workers}"
-            measured[workers] = run_measured([*command, "--set", f"data.scan_cache_dir={cache}",
+            measured[workers] = measure([*command, "--set", f"data.scan_cache_dir={cache}",
                                               "--set", f"data.num_workers={workers}"])
-        warm = min(run_measured([*command, "--set", f"data.scan_cache_dir={root / f'scan_{count}_2'}"])
+        warm = min(measure([*command, "--set", f"data.scan_cache_dir={root / f'scan_{count}_2'}"])
                    for _ in range(repeats))
         for workers, (seconds, peak) in measured.items():
             rows.append({"images": count, "scan_cache": "cold", "workers": workers, "seconds": seconds,
@@ -110,18 +113,21 @@ def main(argv: list[str] | None = None) -> None:
                 seconds, peak = run_measured(command)
                 best[name] = min(best.get(name, (seconds, peak)), (seconds, peak))
         counts = [12] if args.smoke else args.images
-        preflight = preflight_rows(Path(tmp), dry_run, counts, repeats, pool_size=3 if args.smoke else POOL)
+        # --smoke: the pre-flight rows in this interpreter (the start-up rows above are fresh ones)
+        preflight = preflight_rows(Path(tmp), dry_run, counts, repeats, pool_size=3 if args.smoke else POOL,
+                                   measure=measured_here if args.smoke else run_measured)
     rows = [{"command": name, "seconds": seconds, "peak_rss_MB": peak / 1e6} for name, (seconds, peak) in best.items()]
     notes = (f"Best of {repeats} runs of each command, in a fresh interpreter each (bench/peak_rss.py, which "
              "reads the process's own VmHWM). The dry run checks the 18 sample images (from its scan cache "
              "after the first run), and with eval on it validates the eval sampler, which imports diffusers "
              "and scipy.")
     write_results("startup", rows, notes, args.results_dir)
+    where = " (--smoke: every run in the benchmark's own interpreter)" if args.smoke else ""
     notes = ("`train_sdxl.py --dry-run` (quickstart, eval off) over generated 1024x768 photo-like JPEGs of "
              f"about 450 KB (quality 90) with a caption each: {3 if args.smoke else POOL} distinct photos, the "
              "folders hard links to them in turn (every file is still read, hashed and decoded; all of them are in "
              "the page cache, so disk reads are not measured). Cold: a new, empty scan cache, once each; warm: the "
-             f"2-worker run's cache, best of {repeats}. scan_images_per_s: images / (cold seconds - warm "
+             f"2-worker run's cache, best of {repeats}{where}. scan_images_per_s: images / (cold seconds - warm "
              "seconds), the rate of the inspection alone.")
     write_results("preflight", preflight, notes, args.results_dir)
 

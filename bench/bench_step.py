@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument("--steps", type=int, default=None, help="optimizer steps per training run")
 
     args = bench_args(__doc__.splitlines()[0], argv, options)
-    rounds, steps, warmup = (1, 4, 1) if args.smoke else (3, 40, 5)
+    rounds, steps, warmup = (1, 2, 1) if args.smoke else (3, 40, 5)
     steps = args.steps or steps
     if args.memory_probe:
         print(json.dumps(memory_probe(args.memory_probe, steps, args.workdir)))
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
                 trainer[mode] += clock.trainer[warmup:]
                 bare_steps[mode] += clock.bare_seconds[warmup + 1:]
                 sizes[mode] = clock.sizes()
-        loading = min(loader_seconds(bare, 9) for _ in range(3))
+        loading = min(loader_seconds(bare, 2 if args.smoke else 9) for _ in range(1 if args.smoke else 3))
         memory = {mode: measure_memory(mode, steps, Path(tmp)) for mode in modes}
 
     # Each trainer step against the bare step run right after it: the median of the ratios (robust to

@@ -117,7 +117,7 @@ def entry_bytes(tmp: Path) -> dict[str, int]:
 
 def main(argv: list[str] | None = None) -> None:
     args = bench_args(__doc__.splitlines()[0], argv)
-    rounds, steps, warmup = (1, 3, 1) if args.smoke else (4, 40, 5)
+    rounds, steps, warmup = (1, 2, 1) if args.smoke else (4, 40, 5)
     import torch
 
     torch.set_num_threads(1)

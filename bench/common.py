@@ -85,6 +85,19 @@ def run_measured(args: list[str], cwd: Path = ROOT) -> tuple[float, int]:
         return seconds, int(report.read_text()) * 1024
 
 
+def measured_here(args: list[str]) -> tuple[float, int]:
+    """`run_measured(["train_sdxl.py", *ARGS])`'s numbers from a run in this interpreter (smoke
+    runs, which measure nothing of a fresh process): wall seconds, and this process's RSS
+    high-water mark from the start of the run, in bytes."""
+    reset_peak_rss()
+    start = time.perf_counter()
+    result = train_sdxl_here(args[1:])
+    seconds = time.perf_counter() - start
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    return seconds, proc_status_kib("VmHWM") * 1024
+
+
 def machine() -> dict[str, Any]:
     import torch
 

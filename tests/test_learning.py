@@ -22,6 +22,10 @@ from tests.helpers import ROOT
 
 QUICKSTART = ROOT / "configs" / "quickstart.json"
 FINE_TUNE_STEPS = 100
+# The pretrained model's check renders at half the quickstart's 20 sampling steps: its floors hold
+# there with the same margin, and a random UNet falls far below them (docs/tiny_model.md). The
+# fine-tune's eval keeps 20: at 10 its prompt accuracy on the prior drops to 34 %, near its floor.
+PRETRAINED_EVAL_STEPS = 10
 # Measured with the shipped weights (docs/tiny_model.md): the pretrained model draws the right
 # background and shape colours for 64 of 64 held-out prompts, and the right kinds for 25 of them;
 # after the fine-tune the prior's backgrounds (32/32) and colours (31/32) hold, 18/32 fully right,
@@ -55,7 +59,7 @@ def fine_tuned(tiny_sdxl_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 @pytest.mark.slow
 def test_the_pretrained_model_draws_what_its_prompts_say(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
-    config = load_config(QUICKSTART)
+    config = load_config(QUICKSTART, [f"eval.num_inference_steps={PRETRAINED_EVAL_STEPS}"])
     prompts = load_prompts(ROOT / "data" / "eval_prompts.world.json", 64, 64)
     result = run_evaluation(load_pipeline(config.model), config.eval, prompts, tmp_path, tag="world", step=0)
     (world,) = prompt_accuracy(prompts, result.images)

@@ -41,6 +41,31 @@ def test_the_counter_counts_a_traced_step_as_the_real_one():
     assert meta[1] > 4 * weights  # during the second backward: gradients and activations on top
 
 
+def test_a_repeated_meta_call_gets_the_layout_its_kernel_gave():
+    """The counter's layout cache: a call like an earlier one gets new tensors of the layout the
+    meta kernel gave then (strides and dtypes included, each output its own storage), a pointwise
+    in-place call gets its input back, and a call with other layouts runs the kernel again."""
+    def calls() -> list:
+        x = torch.empty(8, 16, device="meta").t()  # transposed: the outputs keep its strides
+        y = torch.empty(16, 8, device="meta", dtype=torch.bfloat16)
+        var, mean = torch.var_mean(x, dim=0)
+        added = x.add_(1.0)
+        return [x + y, x @ torch.empty(8, 4, device="meta"), var, mean, added is x]
+
+    def layout(value):
+        return (value.shape, value.stride(), value.dtype, value.untyped_storage().nbytes()) \
+            if isinstance(value, torch.Tensor) else value
+
+    live = LiveBytes("meta")
+    with live:
+        first, second = calls(), calls()
+        other = torch.empty(4, 16, device="meta").t() + torch.empty(16, 4, device="meta", dtype=torch.bfloat16)
+    assert [layout(value) for value in first] == [layout(value) for value in second]
+    assert first[0].stride() == (1, 16) and first[0].dtype == torch.float32 and first[4] is True
+    assert second[2].untyped_storage()._cdata != second[3].untyped_storage()._cdata
+    assert other.shape == (16, 4) and other.stride() == (1, 16)
+
+
 def test_cuda_rules_run_norms_in_fp32_and_attention_without_its_score_matrix():
     """On meta tensors inside a CPU autocast region: CUDA's autocast gives GroupNorm fp32 outputs
     where the CPU's keeps bf16, and attention is counted as the fused kernel allocates it."""
