@@ -16,12 +16,12 @@ endif
 .PHONY: test test-fast lint docs quickstart demo bench setup setup-dev
 
 test: lint
-	$(PYTHON) -m pytest -q -n auto --dist loadfile
+	$(PYTHON) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
 
 # The inner development loop: every test not marked `slow` (none of those trains a model), in
 # one worker per core; CI runs everything (`make test`).
 test-fast: setup-dev
-	$(PYTHON) -m pytest -q -m "not slow" -n auto --dist loadfile
+	$(PYTHON) -m pytest -q -m "not slow" -n auto --dist loadfile --no-loadscope-reorder
 
 lint: setup-dev
 	$(PYTHON) -m ruff check .

@@ -16,6 +16,20 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
 
 
+# The files that keep a worker busiest (minutes each on 2 cores), handed out first. With `--dist
+# loadfile` pytest-xdist gives each idle worker the next file in collection order (the Makefile
+# turns off its own ordering by test count), so the suite ends on short files rather than on a
+# long one that happened to start last.
+LONGEST_FIRST = ("test_multiprocess.py", "test_bench.py", "test_learning.py", "test_memory.py", "test_fsdp.py",
+                 "test_resume.py", "test_reliability.py", "test_dora_doctor.py", "test_lycoris_adapters.py",
+                 "test_fused_backward.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    order = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: each file's own order kept
+
+
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A private SDXL_TRAINER_CACHE for the whole test session (never the user's own cache)."""

@@ -69,18 +69,31 @@ def lokr_ema_config(tmp_path: Path) -> dict:
     return config
 
 
+def fused_config(tmp_path: Path, **training) -> dict:
+    """`two_process_run`'s config (DoRA on the UNet and CLIP-L, AdamW) with fused backward."""
+    config = config_for(tmp_path, per_process_batch=1, **training)
+    config["eval"] = {"num_inference_steps": 2, "prompts_path": PROMPTS, "width": 64, "height": 64,
+                      "final": {"enabled": True, "max_batches": 2}}
+    config["optimizer"]["fused_backward"] = True
+    return config
+
+
 @pytest.fixture(scope="module")
 def two_process_launch(tmp_path_factory: pytest.TempPathFactory,
                        tiny_sdxl_dir: Path) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
     """The 2-process runs that need no launch of their own, one after another in one launch (one
-    launch's imports, not one each): a 6-step run, its resume from the checkpoint at step 3, each
-    optimizer's run and the LoKr run. Each run's folder and result."""
-    folders = {name: tmp_path_factory.mktemp(name) for name in ("ddp", "resumed", *NEW_OPTIMIZERS, "lokr")}
+    launch's imports, not one each): a 6-step run, its resume from the checkpoint at step 3, their
+    twins with fused backward, each optimizer's run and the LoKr run. Each run's folder and result."""
+    names = ("ddp", "resumed", "fused", "fused_resumed", *NEW_OPTIMIZERS, "lokr")
+    folders = {name: tmp_path_factory.mktemp(name) for name in names}
     straight = config_for(folders["ddp"], per_process_batch=1)
     straight["eval"] = {"num_inference_steps": 2, "prompts_path": PROMPTS, "width": 64, "height": 64,
                         "final": {"enabled": True, "max_batches": 2}}
     checkpoint = folders["ddp"] / "out" / "test_run" / "checkpoints" / "checkpoint-3"
+    fused_checkpoint = folders["fused"] / "out" / "test_run" / "checkpoints" / "checkpoint-3"
     configs = {"ddp": straight, "resumed": config_for(folders["resumed"], 1, resume_from=str(checkpoint)),
+               "fused": fused_config(folders["fused"]),
+               "fused_resumed": fused_config(folders["fused_resumed"], resume_from=str(fused_checkpoint)),
                **{kind: optimizer_run_config(folders[kind], kind) for kind in NEW_OPTIMIZERS},
                "lokr": lokr_ema_config(folders["lokr"])}
     runs = {name: train_args(write_config(folders[name] / "c.json", config)) for name, config in configs.items()}
@@ -219,19 +232,9 @@ def test_non_finite_weights_stop_both_processes_and_nothing_is_saved(tmp_path: P
 
 
 # ------------------------------------------------------------------------- fused backward
-def fused_config(tmp_path: Path, **training) -> dict:
-    """`two_process_run`'s config (DoRA on the UNet and CLIP-L, AdamW) with fused backward."""
-    config = config_for(tmp_path, per_process_batch=1, **training)
-    config["eval"] = {"num_inference_steps": 2, "prompts_path": PROMPTS, "width": 64, "height": 64,
-                      "final": {"enabled": True, "max_batches": 2}}
-    config["optimizer"]["fused_backward"] = True
-    return config
-
-
 @pytest.fixture(scope="module")
-def fused_two_process_run(tmp_path_factory: pytest.TempPathFactory, tiny_sdxl_dir: Path) -> Path:
-    tmp_path = tmp_path_factory.mktemp("fused_ddp")
-    result = launch_two(write_config(tmp_path / "c.json", fused_config(tmp_path)))
+def fused_two_process_run(two_process_launch: dict[str, tuple[Path, subprocess.CompletedProcess]]) -> Path:
+    tmp_path, result = two_process_launch["fused"]
     assert result.returncode == 0, result.stderr[-4000:]
     assert "2 processes held identical weights at all 6 checks" in result.stdout  # after every step
     assert "fused backward: each tensor is stepped in backward" in result.stdout
@@ -248,9 +251,9 @@ def test_fused_backward_under_ddp_equals_ddp_bit_for_bit(fused_two_process_run: 
     assert [key for key in fused if not torch.equal(fused[key], ordinary[key])] == []
 
 
-def test_fused_backward_under_ddp_resumes_bit_for_bit(fused_two_process_run: Path, tmp_path: Path) -> None:
-    checkpoint = fused_two_process_run / "checkpoints" / "checkpoint-3"
-    result = launch_two(write_config(tmp_path / "c.json", fused_config(tmp_path, resume_from=str(checkpoint))))
+def test_fused_backward_under_ddp_resumes_bit_for_bit(
+        fused_two_process_run: Path, two_process_launch: dict[str, tuple[Path, subprocess.CompletedProcess]]) -> None:
+    tmp_path, result = two_process_launch["fused_resumed"]
     assert result.returncode == 0, result.stderr[-4000:]
     assert "at step 3" in result.stdout
     straight = load_file(fused_two_process_run / "pytorch_lora_weights.safetensors")
