@@ -9,9 +9,10 @@ Sections (each a results file):
 - `memory_tiny`: real runs of the built-in tiny model on the CPU (`train_sdxl.py`, 3 steps, memory_check
   "warn"): the planned peak against the tracked tensor peak, DoRA/LoRA/full, with and without
   gradient checkpointing and EMA.
-- `memory_full_cpu`: full-size SDXL with random weights (bench/sdxl_arch.py) at 128², fp32, on the
-  CPU: DoRA rank 16 and LoRA rank 16, the trainer's own steps (`start_run`, `forward_backward`,
-  `optimizer_step`), planned against tracked.
+- `memory_full_cpu`: full-size SDXL with random weights (bench/sdxl_arch.py) at 128² on the CPU:
+  DoRA rank 16 and LoRA rank 16 (fp32), DoRA on an fp8 and an NF4 base, a full fine-tune of the
+  UNet with bf16 weights and Adafactor with and without fused backward; the trainer's own steps
+  (`start_run`, `forward_backward`, `optimizer_step`), planned against tracked.
 - `memory_gpu`: the rows of bench/results/gpu_sdxl.json (measured on a GPU with
   `torch.cuda.max_memory_allocated`) against their CUDA plans, made here.
 - `memory_anchors`: CUDA plans at 1024² for the configurations kohya sd-scripts, OneTrainer and
@@ -52,6 +53,20 @@ TINY_CASES = {
 }
 
 
+FULL_FINE_TUNE = {"adapter": {"type": "none"}, "model": {"weights_dtype": "bf16", "use_gradient_checkpointing": True},
+                  "training": {"mixed_precision": "bf16"}}
+FULL_CPU_CASES = {  # changes to a DoRA rank 16 run of the UNet, fp32, AdamW
+    "DoRA rank 16, fp32": {},
+    "LoRA rank 16, fp32": {"adapter": {"type": "lora", "rank": 16, "alpha": 16}},
+    "DoRA rank 16, fp32, fp8 base": {"model": {"base_quantization": "float8_e4m3fn"}},
+    "DoRA rank 16, fp32, NF4 base": {"model": {"base_quantization": "nf4"}},
+    "full fine-tune, bf16 weights, Adafactor, checkpointing": {
+        **FULL_FINE_TUNE, "optimizer": {"type": "adafactor"}},
+    "full fine-tune, bf16 weights, Adafactor, checkpointing, fused backward": {
+        **FULL_FINE_TUNE, "optimizer": {"type": "adafactor", "fused_backward": True}},
+}
+
+
 def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS))
 
@@ -84,7 +99,7 @@ def tiny_rows(smoke: bool) -> list[dict[str, Any]]:
 
 
 def full_cpu_rows() -> list[dict[str, Any]]:
-    """Full-size SDXL, fp32, 128², on the CPU: two trainer steps per adapter, tracked and planned."""
+    """Full-size SDXL, 128², on the CPU: two trainer steps per case, tracked and planned."""
     import torch
 
     from bench.gpu_sdxl import build_pipeline, latent_batch
@@ -95,12 +110,14 @@ def full_cpu_rows() -> list[dict[str, Any]]:
 
     torch.set_num_threads(2)
     rows = []
-    for adapter in ("dora", "lora"):
+    for name, changes in FULL_CPU_CASES.items():
         config = {"model": {"id": "builtin:tiny-sdxl", "train_text_encoder_1": False, "attention": "sdpa"},
-                  "adapter": {"type": adapter, "rank": 16, "alpha": 16}, "run": {"name": "memory"},
+                  "adapter": {"type": "dora", "rank": 16, "alpha": 16}, "run": {"name": "memory"},
                   "training": {"num_steps": 10, "lr_unet": 1e-5, "seed": 1, "tensorboard": {"enabled": False}},
                   "optimizer": {"type": "adamw"}, "eval": {"live": {"enabled": False}, "final": {"enabled": False}},
                   "data": {"text_cache": {"enabled": False}}}
+        for section, values in changes.items():
+            config[section] = {**config[section], **values}
         start = time.perf_counter()
         planned = plan_memory(validate_config({**config, "model": {**config["model"], "id": SDXL}}),
                               StepShape(1, 128, 128), "cpu")
@@ -116,9 +133,9 @@ def full_cpu_rows() -> list[dict[str, Any]]:
             measured = run.memory.run_peak
             del run
             gc.collect()
-        rows.append({"run": f"{LABELS[adapter]} rank 16, SDXL, fp32, 128², batch 1",
-                     "planned_GB": planned.peak / 1e9, "measured_GB": measured / 1e9,
-                     "measured_over_planned": measured / planned.peak, "plan_seconds": plan_seconds})
+        rows.append({"run": f"{name}, SDXL, 128², batch 1", "planned_GB": planned.peak / 1e9,
+                     "measured_GB": measured / 1e9, "measured_over_planned": measured / planned.peak,
+                     "plan_seconds": plan_seconds})
         print(rows[-1], flush=True)
     return rows
 
@@ -219,8 +236,10 @@ def main(argv: list[str] | None = None) -> int:
         "tiny": "The built-in tiny model on the CPU, 3 steps of the quickstart config (batch 2, 96x64, no LR "
                 "warmup) with each change; planned: the pre-flight's plan; measured: the tensor bytes tracked "
                 "during the run.",
-        "full_cpu": "Full-size SDXL (random weights), fp32, one 128x128 image, both text encoders live, AdamW; two "
-                    "trainer steps on the CPU; plan_seconds: the plan's time on this CPU.",
+        "full_cpu": "Full-size SDXL (random weights), one 128x128 image, both text encoders live; adapters: fp32 "
+                    "compute, AdamW, the base in fp32 or quantized; full fine-tunes: the UNet's weights in bf16, bf16 "
+                    "autocast, Adafactor (stochastic rounding), gradient checkpointing; two trainer steps on the CPU; "
+                    "plan_seconds: the plan's time on this CPU.",
         "gpu": "Measured: torch.cuda.max_memory_allocated on an H200 (bench/results/gpu_sdxl.json); planned: the "
                "CUDA plan of the same configuration made on this CPU; plan_seconds: the plan's time on this CPU, "
                "while other jobs ran.",
