@@ -10,7 +10,7 @@ Sections (each a results file):
   "warn"): the planned peak against the tracked tensor peak, DoRA/LoRA/full, with and without
   gradient checkpointing and EMA.
 - `memory_full_cpu`: full-size SDXL with random weights (bench/sdxl_arch.py) at 128² on the CPU:
-  DoRA rank 16 and LoRA rank 16 (fp32), DoRA on an fp8 and an NF4 base, a full fine-tune of the
+  DoRA rank 16 and LoRA rank 16 (fp32), DoRA on an fp8, an int8 and an NF4 base, a full fine-tune of the
   UNet with bf16 weights and Adafactor with and without fused backward; the trainer's own steps
   (`start_run`, `forward_backward`, `optimizer_step`), planned against tracked.
 - `memory_gpu`: the rows of bench/results/gpu_sdxl.json (measured on a GPU with
@@ -59,6 +59,7 @@ FULL_CPU_CASES = {  # changes to a DoRA rank 16 run of the UNet, fp32, AdamW
     "DoRA rank 16, fp32": {},
     "LoRA rank 16, fp32": {"adapter": {"type": "lora", "rank": 16, "alpha": 16}},
     "DoRA rank 16, fp32, fp8 base": {"model": {"base_quantization": "float8_e4m3fn"}},
+    "DoRA rank 16, fp32, int8 base": {"model": {"base_quantization": "int8"}},
     "DoRA rank 16, fp32, NF4 base": {"model": {"base_quantization": "nf4"}},
     "full fine-tune, bf16 weights, Adafactor, checkpointing": {
         **FULL_FINE_TUNE, "optimizer": {"type": "adafactor"}},
