@@ -69,12 +69,13 @@ def lokr_ema_config(tmp_path: Path) -> dict:
     return config
 
 
-def fused_config(tmp_path: Path, **training) -> dict:
-    """`two_process_run`'s config (DoRA on the UNet and CLIP-L, AdamW) with fused backward."""
+def ddp_config(tmp_path: Path, fused: bool, **training) -> dict:
+    """`two_process_run`'s config (DoRA on the UNet and CLIP-L, AdamW, a final eval), with or
+    without fused backward."""
     config = config_for(tmp_path, per_process_batch=1, **training)
     config["eval"] = {"num_inference_steps": 2, "prompts_path": PROMPTS, "width": 64, "height": 64,
                       "final": {"enabled": True, "max_batches": 2}}
-    config["optimizer"]["fused_backward"] = True
+    config["optimizer"]["fused_backward"] = fused
     return config
 
 
@@ -86,14 +87,12 @@ def two_process_launch(tmp_path_factory: pytest.TempPathFactory,
     twins with fused backward, each optimizer's run and the LoKr run. Each run's folder and result."""
     names = ("ddp", "resumed", "fused", "fused_resumed", *NEW_OPTIMIZERS, "lokr")
     folders = {name: tmp_path_factory.mktemp(name) for name in names}
-    straight = config_for(folders["ddp"], per_process_batch=1)
-    straight["eval"] = {"num_inference_steps": 2, "prompts_path": PROMPTS, "width": 64, "height": 64,
-                        "final": {"enabled": True, "max_batches": 2}}
+    straight = ddp_config(folders["ddp"], fused=False)
     checkpoint = folders["ddp"] / "out" / "test_run" / "checkpoints" / "checkpoint-3"
     fused_checkpoint = folders["fused"] / "out" / "test_run" / "checkpoints" / "checkpoint-3"
     configs = {"ddp": straight, "resumed": config_for(folders["resumed"], 1, resume_from=str(checkpoint)),
-               "fused": fused_config(folders["fused"]),
-               "fused_resumed": fused_config(folders["fused_resumed"], resume_from=str(fused_checkpoint)),
+               "fused": ddp_config(folders["fused"], fused=True),
+               "fused_resumed": ddp_config(folders["fused_resumed"], fused=True, resume_from=str(fused_checkpoint)),
                **{kind: optimizer_run_config(folders[kind], kind) for kind in NEW_OPTIMIZERS},
                "lokr": lokr_ema_config(folders["lokr"])}
     runs = {name: train_args(write_config(folders[name] / "c.json", config)) for name, config in configs.items()}
@@ -266,7 +265,7 @@ def test_a_non_finite_gradient_in_one_process_stops_both_under_fused_backward(tm
                                                                               tiny_sdxl_dir: Path) -> None:
     """NaN in the second process's gradients at step 2 (its loss finite): the averaged gradient
     both processes see is NaN, so both stop at the same tensor, and nothing is saved."""
-    config = fused_config(tmp_path, checkpoint_every=2, distributed_timeout_minutes=0.5)
+    config = ddp_config(tmp_path, fused=True, checkpoint_every=2, distributed_timeout_minutes=0.5)
     result = accelerate_launch(LAUNCH_TWO, write_config(tmp_path / "c.json", config),
                                target=(str(ROOT / "tests" / "nan_gradient_on_rank_1.py"),))
     assert result.returncode != 0
