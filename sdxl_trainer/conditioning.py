@@ -96,9 +96,9 @@ def encoder_outputs(captions: list[str], tokenizer, text_encoder, device,
     pooled output (long_prompts.py)."""
     import torch
 
-    from .long_prompts import caption_ids, common_length
+    from .long_prompts import captions_ids, common_length
 
-    rows = [caption_ids(tokenizer, caption, max_tokens) for caption in captions]
+    rows = captions_ids(tokenizer, captions, max_tokens)
     output = text_encoder(torch.cat(rows).to(device), output_hidden_states=True)
     hidden = output.hidden_states[-2]
     pooled = output.text_embeds if hasattr(output, "text_embeds") else output.pooler_output

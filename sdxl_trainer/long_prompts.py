@@ -109,6 +109,15 @@ def caption_ids(tokenizer, text: str, max_tokens: int) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.long)
 
 
+def captions_ids(tokenizer, texts: list[str], max_tokens: int) -> list[torch.Tensor]:
+    """`caption_ids` of each text; SDXL's single rows (`max_tokens` 75) come from one batched
+    tokenizer call, the same ids as one call per text, which cost a training step at batch 256
+    more than its forward and backward on a GPU."""
+    if max_tokens == CHUNK_TOKENS:
+        return list(prompt_ids(tokenizer, [expand_vectors(tokenizer, text) for text in texts]).split(1))
+    return [caption_ids(tokenizer, text, max_tokens) for text in texts]
+
+
 def common_length(rows: list[torch.Tensor]) -> torch.Tensor:
     """Stack (length, width) contexts of different lengths into one batch, each repeated up to
     the least common multiple of the lengths (ComfyUI's way; equal lengths are just stacked)."""

@@ -15,7 +15,7 @@ from sdxl_trainer.config import ModelConfig, load_config
 from sdxl_trainer.diffusion import LossModels, conditioning
 from sdxl_trainer.eval.eval_prompts import EvalPrompt
 from sdxl_trainer.eval.evaluation import run_evaluation
-from sdxl_trainer.long_prompts import caption_ids, count_truncated, token_chunks
+from sdxl_trainer.long_prompts import caption_ids, captions_ids, count_truncated, token_chunks
 from sdxl_trainer.models import load_pipeline, with_components
 from sdxl_trainer.planning import plan_run
 from sdxl_trainer.recorded_encoder import record_encoder
@@ -42,6 +42,16 @@ def pipe(tiny_sdxl_dir: Path):
 def encode(pipe, captions: list[str], max_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     return encode_prompts(captions, [pipe.tokenizer, pipe.tokenizer_2], [pipe.text_encoder, pipe.text_encoder_2],
                           "cpu", zero_empty=True, max_tokens=max_tokens)
+
+
+def test_a_batch_is_tokenized_in_one_call_with_the_ids_of_one_call_per_caption(pipe) -> None:
+    texts = ["a red circle, blue background", "", LONG, "a b c", "yellow triangle"]
+    for tokenizer in (pipe.tokenizer, pipe.tokenizer_2):
+        for max_tokens in (75, 225):
+            batched = captions_ids(tokenizer, texts, max_tokens)
+            one_by_one = [caption_ids(tokenizer, text, max_tokens) for text in texts]
+            assert [ids.tolist() for ids in batched] == [ids.tolist() for ids in one_by_one]
+        assert [len(ids) for ids in captions_ids(tokenizer, texts, 225)] == [1, 1, 3, 1, 1]
 
 
 def test_each_chunk_is_the_encoding_of_its_75_tokens_alone(pipe) -> None:

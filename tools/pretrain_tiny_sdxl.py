@@ -21,9 +21,11 @@ file (fixed seeds, a single-process data loader, torch's deterministic CPU kerne
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import math
+import multiprocessing
 import random
 import shutil
 import subprocess
@@ -116,14 +118,19 @@ def train_vae(out: Path, steps: int = VAE_STEPS) -> None:
     tmp.rename(out)
 
 
+def write_image(folder: Path, seed: int) -> None:
+    scene = scene_for_seed(seed)
+    render(scene, *DATA_SIZES[seed % len(DATA_SIZES)])[0].save(folder / f"world_{seed:05d}.png")
+    (folder / f"world_{seed:05d}.txt").write_text(caption(scene) + "\n", encoding="utf-8")
+
+
 def write_data(folder: Path, count: int = PRETRAIN_IMAGES) -> None:
+    """The image folder, drawn by every CPU core (each file depends on its seed alone)."""
     tmp = folder.with_name(folder.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    for seed in TRAIN_SEEDS[:count]:
-        scene = scene_for_seed(seed)
-        render(scene, *DATA_SIZES[seed % len(DATA_SIZES)])[0].save(tmp / f"world_{seed:05d}.png")
-        (tmp / f"world_{seed:05d}.txt").write_text(caption(scene) + "\n", encoding="utf-8")
+    with multiprocessing.Pool() as pool:
+        pool.map(functools.partial(write_image, tmp), TRAIN_SEEDS[:count], chunksize=64)
     tmp.rename(folder)
 
 
