@@ -16,13 +16,15 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
 
 
-# The files that keep a worker busiest (minutes each on 2 cores), handed out first. With `--dist
-# loadfile` pytest-xdist gives each idle worker the next file in collection order (the Makefile
-# turns off its own ordering by test count), so the suite ends on short files rather than on a
-# long one that happened to start last.
-LONGEST_FIRST = ("test_multiprocess.py", "test_bench.py", "test_learning.py", "test_memory.py", "test_fsdp.py",
-                 "test_resume.py", "test_reliability.py", "test_dora_doctor.py", "test_lycoris_adapters.py",
-                 "test_fused_backward.py")
+# The files that keep a worker busiest, longest first (their time on 2 cores, summed from
+# `--durations=0`), handed out first. With `--dist loadfile` pytest-xdist gives each idle worker the
+# next file in collection order (the Makefile turns off its own ordering by test count), so the
+# suite ends on short files rather than on a long one that happened to start last: in the order of
+# the measured times, the two workers' totals come out within seconds of each other.
+LONGEST_FIRST = ("test_multiprocess.py", "test_bench.py", "test_learning.py", "test_training_core.py", "test_fsdp.py",
+                 "test_lycoris_adapters.py", "test_resume.py", "test_memory.py", "test_optimizers.py",
+                 "test_init_adapter.py", "test_reliability.py", "test_dora_doctor.py", "test_adapter_tools.py",
+                 "test_training.py", "test_text_cache.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import functools
 import io
 import json
 import os
+import runpy
 import socket
 import subprocess
 import sys
@@ -119,6 +122,57 @@ def _launch(launch_args: list[str], script_and_args: list[str]) -> subprocess.Co
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
+def forked_launch(config_path: Path, *overrides: str, target: tuple[str, ...] = (),
+                  processes: int = 2) -> subprocess.CompletedProcess:
+    """What `accelerate launch --multi_gpu --num_processes N [target] train_sdxl.py ARGS` gives on
+    the CPU (the first failing process's exit code, the processes' output in rank order), its
+    processes forked from this one with the variables the launcher sets, without the launcher's
+    and the processes' fresh imports (~8 s each). For tests about how two processes train, not
+    about the launcher (the Ctrl-C and FSDP tests launch for real). Where torch computes on several
+    threads here, the real launcher runs (a child forked then hangs)."""
+    import torch
+
+    if torch.get_num_threads() != 1:
+        launch_args = ["--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
+                       "--mixed_precision", "no", "--dynamo_backend", "no"]
+        return accelerate_launch(launch_args, config_path, *overrides, target=target)
+    script_and_args = [*target, str(ROOT / "train_sdxl.py"), *train_args(config_path, *overrides)]
+    port = free_port()
+    children = [ForkedTrain(script_and_args, main=functools.partial(run_launched, env=launcher_env(rank, processes,
+                                                                                                   port)))
+                for rank in range(processes)]
+    with concurrent.futures.ThreadPoolExecutor(2 * processes) as pool:  # drained together: no full pipe blocks
+        outputs = [(pool.submit(child.stdout.read), pool.submit(child.stderr.read)) for child in children]
+        try:
+            codes = [child.wait(timeout=900) for child in children]
+        finally:
+            for child in children:
+                child.send_signal(9)
+        texts = [(out.result(), err.result()) for out, err in outputs]
+    code = next((code for code in codes if code != 0), 0)
+    return subprocess.CompletedProcess(script_and_args, code, "".join(out for out, _ in texts),
+                                       "".join(err for _, err in texts))
+
+
+def launcher_env(rank: int, processes: int, port: int) -> dict[str, str]:
+    """The variables `accelerate launch --multi_gpu` (torch's elastic agent) gives process `rank`."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(processes),
+            "LOCAL_WORLD_SIZE": str(processes), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "ACCELERATE_MIXED_PRECISION": "no", "ACCELERATE_DYNAMO_BACKEND": "NO", "OMP_NUM_THREADS": "1"}
+
+
+def run_launched(script_and_args: list[str], env: dict[str, str]) -> int:
+    """In a forked child: one process of a launch, `python SCRIPT ARGS` under the launcher's
+    variables, with the accelerate state this process may hold from an in-process run dropped."""
+    from accelerate.state import AcceleratorState
+
+    os.environ.update(env)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    sys.argv = list(script_and_args)
+    runpy.run_path(script_and_args[0], run_name="__main__")
+    return 0
+
+
 def start_train(args: list[str], own_group: bool = False,
                 python_options: tuple[str, ...] = ()) -> subprocess.Popen | ForkedTrain:
     """`train_sdxl.py ARGS` running in a process of its own, its output in text pipes: forked from
@@ -139,11 +193,14 @@ class ForkedTrain:
     """`train_sdxl.py ARGS` in a child forked from this process: a process of its own (its own pid,
     signals, kill -9, exit code, process group with `own_group`) that starts with this interpreter's
     modules, without a fresh interpreter's ~8 s of imports. For tests of how a run behaves when its
-    process is signalled or killed; a test about a fresh interpreter starts one (`run_cli`)."""
+    process is signalled or killed (`main`: what the child runs instead of train_sdxl.main, given
+    ARGS); a test about a fresh interpreter starts one (`run_cli`)."""
 
-    def __init__(self, args: list[str], own_group: bool = False) -> None:
+    def __init__(self, args: list[str], own_group: bool = False, main=None) -> None:
         import sdxl_trainer.run  # noqa: F401  (torch, diffusers, accelerate: imported once, here)
         import train_sdxl
+
+        main = main or train_sdxl.main
 
         pipes = [os.pipe(), os.pipe()]
         sys.stdout.flush()
@@ -152,7 +209,7 @@ class ForkedTrain:
         if self.pid == 0:  # the child: never back into pytest, whatever happens
             code = 1
             try:
-                code = run_in_child(train_sdxl.main, args, own_group, pipes)
+                code = run_in_child(main, args, own_group, pipes)
             finally:
                 os._exit(code)
         for _, write in pipes:
