@@ -679,6 +679,11 @@ class EvalConfig(Section):
     height: PositiveInt = Field(1024, description="Default height.")
     width: PositiveInt = Field(1024, description="Default width.")
     use_ema: bool = Field(False, description="Render with EMA weights swapped in.")
+    batch_size: PositiveInt = Field(
+        1, description="Prompts sampled together, in one UNet call per step (consecutive prompts of one size; the "
+        "`kdiffusion` backend, the `diffusers` backend renders one at a time). 1: each image depends on its seed "
+        "alone, bit for bit; more is faster (4x at 16 for the tiny model on one CPU thread), and an image can then "
+        "differ in its last bits with the prompts beside it.")
     judge: Literal["none", "shapes"] = Field(
         "none", description="`shapes`: read every eval image whose prompt is in the world-of-shapes grammar (`a red "
         "circle, blue background`) with the shapes judge and report the fraction that shows what its prompt says, "

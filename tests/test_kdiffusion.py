@@ -23,7 +23,7 @@ from sdxl_trainer.eval.comfyui_sampling import (
     starting_noise_scale,
 )
 from sdxl_trainer.eval.eval_prompts import EvalPrompt
-from sdxl_trainer.eval.evaluation import run_evaluation
+from sdxl_trainer.eval.evaluation import prompt_batches, run_evaluation
 from sdxl_trainer.eval.kdiffusion_samplers import DISCARD_PENULTIMATE_SIGMA, SAMPLERS, sample
 from sdxl_trainer.eval.samplers import check_eval_sampler
 from sdxl_trainer.eval.sigma_schedules import SCHEDULE_NAMES, SigmaTable, make_sigmas
@@ -80,7 +80,7 @@ def test_every_sampler_ends_where_comfyuis_does(name: str) -> None:
         sigmas = torch.cat([sigmas[:-2], sigmas[-1:]])
     assert_close(sigmas.tolist(), run["sigmas"])
     noise = torch.randn(shape, generator=torch.Generator().manual_seed(1234))
-    result = sample(name, denoise, noise * sigmas[0], sigmas, seed=7)
+    result = sample(name, denoise, noise * sigmas[0], sigmas, seeds=[7])
     assert_close(result.flatten().tolist(), run["result"])
     assert result.sum().item() == pytest.approx(run["result_sum"], abs=1e-4)
 
@@ -144,6 +144,30 @@ def test_same_seed_same_image_other_sampler_other_image(tiny_sdxl_dir: Path, tmp
         assert np.array_equal(images[0], images[1]) and not np.array_equal(images[0], images[2])
     assert not np.array_equal(rendered["euler"][0], rendered["dpmpp_2m"][0])
     assert not np.array_equal(rendered["dpmpp_2m"][0], rendered["dpmpp_2m_sde_heun"][0])
+
+
+def test_prompts_sampled_together_give_each_prompts_own_image(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
+    """`eval.batch_size`: each row its own prompt, seed and noise (an ancestral and an SDE sampler
+    draw noise at every step); a row differs from the prompt rendered alone at most in rounding.
+    Prompts of another size, or read past 77 tokens, start a batch of their own."""
+    pipe = load_pipeline(ModelConfig(id="builtin:tiny-sdxl"))
+    pipe.set_progress_bar_config(disable=True)
+    prompts = [EvalPrompt(text, "", seed, 64, 64) for text, seed in (
+        ("a red circle, blue background", 5), ("a green square, white background", 6),
+        ("a white circle, green background", 7), ("a yellow triangle, black background", 8))]
+    prompts += [EvalPrompt("a blue square", "", 9, 96, 64), EvalPrompt("a blue square", "", 10, 96, 64, max_tokens=150),
+                EvalPrompt("a blue square", "", 11, 96, 64)]
+    assert [len(batch) for batch in prompt_batches(prompts, 3)] == [3, 1, 1, 1, 1]
+    for sampler in ("euler", "euler_ancestral", "dpmpp_2m_sde"):
+        rendered = {}
+        for size in (1, 3):
+            config = EvalConfig(backend="kdiffusion", sampler_name=sampler, num_inference_steps=4, cfg_scale=5.0,
+                                batch_size=size)
+            result = run_evaluation(pipe, config, prompts, tmp_path / f"{sampler}{size}", tag="final", step=1)
+            rendered[size] = [pixels(path).astype(int) for path in result.images]
+        differences = [np.abs(alone - together).max() for alone, together in zip(*rendered.values(), strict=True)]
+        assert max(differences) <= 2, (sampler, differences)  # 8-bit rounding of last-bit differences
+        assert np.abs(rendered[1][4] - rendered[1][6]).max() > 20  # one prompt, two seeds: two images
 
 
 @pytest.mark.slow

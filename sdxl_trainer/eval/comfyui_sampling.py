@@ -90,24 +90,31 @@ def starting_noise_scale(sigma_start: float, table: SigmaTable) -> float:
     return math.sqrt(1.0 + sigma_start**2) if at_max else sigma_start
 
 
-def comfyui_latents(pipe: StableDiffusionXLPipeline, eval_config: EvalConfig, prompt: EvalPrompt) -> torch.Tensor:
-    """The final latents for one prompt (undecoded), sampled as ComfyUI does; a prompt read past 77
-    tokens is encoded in chunks as ComfyUI encodes a long prompt (long_prompts.py)."""
+def prompt_embeds(pipe: StableDiffusionXLPipeline, prompt: EvalPrompt, guided: bool) -> tuple[torch.Tensor, ...]:
+    """(positive, negative, pooled, negative pooled) of one prompt; one read past 77 tokens is
+    encoded in chunks as ComfyUI encodes a long prompt (long_prompts.py)."""
     from ..conditioning import pipeline_prompt_embeds
     from ..long_prompts import CHUNK_TOKENS
 
+    if prompt.max_tokens == CHUNK_TOKENS:
+        return pipe.encode_prompt(prompt.prompt, device=pipe.unet.device, num_images_per_prompt=1,
+                                  do_classifier_free_guidance=guided,
+                                  negative_prompt=prompt.negative_prompt or None)  # None: SDXL's zero embedding
+    return tuple(pipeline_prompt_embeds(pipe, prompt.prompt, prompt.negative_prompt, prompt.max_tokens).values())
+
+
+def comfyui_latents(pipe: StableDiffusionXLPipeline, eval_config: EvalConfig,
+                    prompts: list[EvalPrompt]) -> torch.Tensor:
+    """The final latents (undecoded) of prompts of one size and token length, sampled together as
+    ComfyUI samples each: one row per prompt, its noise from its own seed."""
     unet, device = pipe.unet, pipe.unet.device
     table = SigmaTable.from_scheduler_config(pipe.scheduler.config)
     prediction_type = pipe.scheduler.config.get("prediction_type", "epsilon")
     guided = eval_config.cfg_scale != 1.0
-    if prompt.max_tokens == CHUNK_TOKENS:
-        positive, negative, pooled, negative_pooled = pipe.encode_prompt(
-            prompt.prompt, device=device, num_images_per_prompt=1, do_classifier_free_guidance=guided,
-            negative_prompt=prompt.negative_prompt or None)  # None: SDXL's zero embedding for "no negative"
-    else:
-        positive, negative, pooled, negative_pooled = pipeline_prompt_embeds(
-            pipe, prompt.prompt, prompt.negative_prompt, prompt.max_tokens).values()
-    size = (prompt.height, prompt.width)
+    positive, negative, pooled, negative_pooled = (
+        torch.cat(parts) if parts[0] is not None else None
+        for parts in zip(*(prompt_embeds(pipe, prompt, guided) for prompt in prompts), strict=True))
+    size = (prompts[0].height, prompts[0].width)
     time_ids = pipe._get_add_time_ids(size, (0, 0), size, dtype=positive.dtype,
                                       text_encoder_projection_dim=pipe.text_encoder_2.config.projection_dim).to(device)
     context, pooled = (torch.cat([negative, positive]), torch.cat([negative_pooled, pooled])) if guided \
@@ -115,7 +122,7 @@ def comfyui_latents(pipe: StableDiffusionXLPipeline, eval_config: EvalConfig, pr
     time_ids = time_ids.repeat(len(context), 1)
 
     def denoise(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
-        batch = torch.cat([x] * len(context))
+        batch = torch.cat([x] * (len(context) // len(x)))
         timestep = table.timestep(sigma.cpu()).float().to(device).expand(len(batch))
         output = unet(scaled_input(batch, sigma).to(unet.dtype), timestep, encoder_hidden_states=context,
                       added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids}).sample.float()
@@ -127,8 +134,10 @@ def comfyui_latents(pipe: StableDiffusionXLPipeline, eval_config: EvalConfig, pr
 
     sigmas = sampling_sigmas(eval_config.sampler_name, eval_config.scheduler, table,
                              eval_config.num_inference_steps).to(device)
-    shape = (1, unet.config.in_channels, prompt.height // pipe.vae_scale_factor, prompt.width // pipe.vae_scale_factor)
-    noise = torch.randn(shape, generator=torch.Generator().manual_seed(prompt.seed))  # the CPU: every device alike
+    shape = (1, unet.config.in_channels, size[0] // pipe.vae_scale_factor, size[1] // pipe.vae_scale_factor)
+    noise = torch.cat([torch.randn(shape, generator=torch.Generator().manual_seed(prompt.seed))  # the CPU: every
+                       for prompt in prompts])                                                   # device alike
     x = noise.to(device) * starting_noise_scale(float(sigmas[0]), table)
-    return sample(ALIASES.get(eval_config.sampler_name, eval_config.sampler_name), denoise, x, sigmas, prompt.seed)
+    return sample(ALIASES.get(eval_config.sampler_name, eval_config.sampler_name), denoise, x, sigmas,
+                  [prompt.seed for prompt in prompts])
 

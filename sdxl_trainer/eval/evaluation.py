@@ -92,16 +92,16 @@ def run_evaluation(
     images = []
     with _pipeline_state_kept(pipe), global_rng_kept(pipe.device), torch.inference_mode():
         vae = fp32_vae(pipe.vae)
-        for prompt in prompts:
+        for batch in prompt_batches(prompts, eval_config.batch_size if comfyui else 1):
             # A fresh scheduler per image, and the prompt's seed also in the global CPU generator (which
             # e.g. DPMSolverSDEScheduler draws its noise seed from): each image depends on its seed only.
             if not comfyui:
                 pipe.scheduler = make_eval_scheduler(base_scheduler_config, eval_config.sampler_name,
                                                      eval_config.scheduler)
-            torch.random.default_generator.manual_seed(prompt.seed)
-            latents = comfyui_latents(pipe, eval_config, prompt) if comfyui else _diffusers_latents(
-                pipe, eval_config, prompt)
-            images.append(decode_latents(pipe, vae, latents))
+            torch.random.default_generator.manual_seed(batch[0].seed)
+            latents = comfyui_latents(pipe, eval_config, batch) if comfyui else _diffusers_latents(
+                pipe, eval_config, batch[0])
+            images += [decode_latents(pipe, vae, row) for row in latents.split(1)]
 
     reasons = [check_image(image) for image in images]
     pictures = [_to_uint8(image) for image in images]
@@ -122,6 +122,22 @@ def run_evaluation(
     if invalid:
         _report_invalid(where, prompts, reasons, paths)
     return EvalResult(folder=folder, images=paths, grid=folder / GRID_NAME, invalid=invalid)
+
+
+def prompt_batches(prompts: list[EvalPrompt], size: int) -> list[list[EvalPrompt]]:
+    """Consecutive prompts of one size, up to `size` at a time; a prompt read past 77 tokens alone
+    (its chunks can number differently from its neighbours')."""
+    from ..long_prompts import CHUNK_TOKENS
+
+    batches: list[list[EvalPrompt]] = []
+    for prompt in prompts:
+        last = batches[-1] if batches else None
+        if (last and len(last) < size and prompt.max_tokens == last[0].max_tokens == CHUNK_TOKENS
+                and (prompt.height, prompt.width) == (last[0].height, last[0].width)):
+            last.append(prompt)
+        else:
+            batches.append([prompt])
+    return batches
 
 
 def _diffusers_latents(pipe: StableDiffusionXLPipeline, eval_config: EvalConfig,

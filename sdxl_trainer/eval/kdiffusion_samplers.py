@@ -311,16 +311,17 @@ SAMPLERS: dict[str, Callable[..., torch.Tensor]] = {
 }
 
 
-def sample(name: str, denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, seed: int) -> torch.Tensor:
-    """Run sampler `name` from x (noise at sigmas[0]) with the noise its kind needs, from `seed`."""
+def sample(name: str, denoise: Denoiser, x: torch.Tensor, sigmas: torch.Tensor, seeds: list[int]) -> torch.Tensor:
+    """Run sampler `name` from x (noise at sigmas[0]) with the noise its kind needs: each row of x
+    from its own seed, so that a row's noise does not depend on the rows beside it."""
     if name in SDE_SAMPLERS:
-        on_cpu = brownian_noise(x, sigmas, seed)
+        rows = [brownian_noise(x[index:index + 1], sigmas, seed) for index, seed in enumerate(seeds)]
     elif name in ANCESTRAL_SAMPLERS:
-        on_cpu = cpu_noise(x.shape, seed)
+        rows = [cpu_noise(x[index:index + 1].shape, seed) for index, seed in enumerate(seeds)]
     else:
         return SAMPLERS[name](denoise, x, sigmas, None)
 
     def noise(sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:
-        return on_cpu(sigma, sigma_next).to(x.device, x.dtype)
+        return torch.cat([row(sigma, sigma_next) for row in rows]).to(x.device, x.dtype)
 
     return SAMPLERS[name](denoise, x, sigmas, noise)
