@@ -6,7 +6,8 @@
 Runs with the system python3 (3.10 or newer, with its venv module). Steps, each skipped when done:
 1. create .venv with this python3;
 2. install torch with pip, which honours your pip configuration: the CPU build when no CUDA GPU is
-   found (nvidia-smi), the CUDA build otherwise (on Linux, PyPI's torch wheel is the CUDA build);
+   found (nvidia-smi), the CUDA build otherwise (on Linux, PyPI's torch wheel is the CUDA build),
+   its bytecode compiled afterwards on every core;
 3. install the requirement files with uv (4-7 s here against pip's 37-40 s), falling back to pip,
    and compile their bytecode at install time: uv does not by default, and where
    PYTHONDONTWRITEBYTECODE is set (CI images often set it) every new process would then compile
@@ -132,12 +133,19 @@ def check_venv():
 
 
 def install_torch(build, reason):
-    command = [str(venv_python()), "-m", "pip", "install", "-q", TORCH]
+    """pip installs torch and its dependencies without compiling them, then compileall compiles
+    them on every core: pip compiles on one (46 s of set-up against 25 s on 2 cores here)."""
+    command = [str(venv_python()), "-m", "pip", "install", "-q", "--no-compile", TORCH]
     index = os.environ.get("TORCH_INDEX_URL")
     if index:
         command += ["--index-url", index]
     say(f"installing {TORCH}, the {build.upper()} build ({reason}){' from ' + index if index else ''}")
     run(command, f"installing {TORCH}")
+    site_packages = subprocess.run([str(venv_python()), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                                   capture_output=True, text=True, check=True).stdout.strip()
+    # Failures are left as pip leaves them: a file that does not compile is one no import reads.
+    subprocess.run([str(venv_python()), "-m", "compileall", "-q", "-j", "0", site_packages],
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     probe = subprocess.run(
         [str(venv_python()), "-c", "import torch; print(torch.__version__, torch.version.cuda)"],
         capture_output=True,
