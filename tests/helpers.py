@@ -93,18 +93,20 @@ def train_args(config_path: Path, *overrides: str) -> list[str]:
 
 def accelerate_launch_runs(launch_args: list[str], runs: dict[str, list[str]], folder: Path,
                            target: tuple[str, ...] = (), env: dict[str, dict[str, str]] | None = None,
-                           processes: int = 2) -> dict[str, subprocess.CompletedProcess]:
+                           processes: int = 2, forked: bool = False) -> dict[str, subprocess.CompletedProcess]:
     """One `accelerate launch` that trains `runs` (name: train_sdxl.py's arguments) one after another
     in the same processes (tests/runs_in_one_launch.py; `env`: variables for some runs only), for
     tests that need two processes to train but no launch of their own. Each run's result is what
     `accelerate_launch` would give for it alone: the first failing process's exit code, and the
-    processes' output in rank order (and the launch's stderr where not all `processes` finished it)."""
+    processes' output in rank order (and the launch's stderr where not all `processes` finished it).
+    `forked`: the processes forked from this one (`launch_forked`; `launch_args` then unused)."""
     folder.mkdir(parents=True, exist_ok=True)
     plan = {"folder": str(folder), "runs": [{"name": name, "args": args, "env": (env or {}).get(name, {})}
                                             for name, args in runs.items()]}
     plan_path = folder / "plan.json"
     plan_path.write_text(json.dumps(plan), encoding="utf-8")
-    launch = _launch(launch_args, [*target, str(ROOT / "tests" / "runs_in_one_launch.py"), str(plan_path)])
+    script_and_args = [*target, str(ROOT / "tests" / "runs_in_one_launch.py"), str(plan_path)]
+    launch = launch_forked(script_and_args, processes) if forked else _launch(launch_args, script_and_args)
     results = {}
     for name, args in runs.items():
         ranks = [json.loads(path.read_text(encoding="utf-8")) for path in sorted(folder.glob(f"{name}.rank*.json"))]
@@ -124,19 +126,23 @@ def _launch(launch_args: list[str], script_and_args: list[str]) -> subprocess.Co
 
 def forked_launch(config_path: Path, *overrides: str, target: tuple[str, ...] = (),
                   processes: int = 2) -> subprocess.CompletedProcess:
-    """What `accelerate launch --multi_gpu --num_processes N [target] train_sdxl.py ARGS` gives on
-    the CPU (the first failing process's exit code, the processes' output in rank order), its
-    processes forked from this one with the variables the launcher sets, without the launcher's
-    and the processes' fresh imports (~8 s each). For tests about how two processes train, not
-    about the launcher (the Ctrl-C and FSDP tests launch for real). Where torch computes on several
+    """`launch_forked` of `[target] train_sdxl.py --config ... --set ...`."""
+    return launch_forked([*target, str(ROOT / "train_sdxl.py"), *train_args(config_path, *overrides)], processes)
+
+
+def launch_forked(script_and_args: list[str], processes: int = 2) -> subprocess.CompletedProcess:
+    """What `accelerate launch --multi_gpu --num_processes N SCRIPT ARGS` gives on the CPU (the
+    first failing process's exit code, the processes' output in rank order), its processes forked
+    from this one with the variables the launcher sets, without the launcher's and the processes'
+    fresh imports (~8 s each). For tests about how two processes train, not about the launcher
+    (the Ctrl-C, wait-timeout and FSDP tests launch for real). Where torch computes on several
     threads here, the real launcher runs (a child forked then hangs)."""
     import torch
 
     if torch.get_num_threads() != 1:
         launch_args = ["--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
                        "--mixed_precision", "no", "--dynamo_backend", "no"]
-        return accelerate_launch(launch_args, config_path, *overrides, target=target)
-    script_and_args = [*target, str(ROOT / "train_sdxl.py"), *train_args(config_path, *overrides)]
+        return _launch(launch_args, script_and_args)
     port = free_port()
     children = [ForkedTrain(script_and_args, main=functools.partial(run_launched, env=launcher_env(rank, processes,
                                                                                                    port)))

@@ -84,8 +84,9 @@ def ddp_config(tmp_path: Path, fused: bool, **training) -> dict:
 @pytest.fixture(scope="module")
 def two_process_launch(tmp_path_factory: pytest.TempPathFactory,
                        tiny_sdxl_dir: Path) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
-    """The 2-process runs that need no launch of their own, one after another in one launch (one
-    launch's imports, not one each): a 6-step run, its resume from the checkpoint at step 3, their
+    """The 2-process runs that need no launch of their own, one after another in the same two
+    processes (forked from this one, as `accelerate launch` starts them: helpers.launch_forked):
+    a 6-step run, its resume from the checkpoint at step 3, their
     twins with fused backward, each optimizer's run and the LoKr run. Each run's folder and result."""
     names = ("ddp", "resumed", "fused", "fused_resumed", *NEW_OPTIMIZERS, "lokr")
     folders = {name: tmp_path_factory.mktemp(name) for name in names}
@@ -98,7 +99,7 @@ def two_process_launch(tmp_path_factory: pytest.TempPathFactory,
                **{kind: optimizer_run_config(folders[kind], kind) for kind in NEW_OPTIMIZERS},
                "lokr": lokr_ema_config(folders["lokr"])}
     runs = {name: train_args(write_config(folders[name] / "c.json", config)) for name, config in configs.items()}
-    results = accelerate_launch_runs(LAUNCH_TWO, runs, folders["ddp"] / "results")
+    results = accelerate_launch_runs(LAUNCH_TWO, runs, folders["ddp"] / "results", forked=True)
     return {name: (folders[name], results[name]) for name in runs}
 
 
