@@ -135,8 +135,8 @@ def comfyui_latents(pipe: StableDiffusionXLPipeline, eval_config: EvalConfig,
     sigmas = sampling_sigmas(eval_config.sampler_name, eval_config.scheduler, table,
                              eval_config.num_inference_steps).to(device)
     shape = (1, unet.config.in_channels, size[0] // pipe.vae_scale_factor, size[1] // pipe.vae_scale_factor)
-    noise = torch.cat([torch.randn(shape, generator=torch.Generator().manual_seed(prompt.seed))  # the CPU: every
-                       for prompt in prompts])                                                   # device alike
+    # Each row from its prompt's seed, drawn on the CPU: the same noise on every device.
+    noise = torch.cat([torch.randn(shape, generator=torch.Generator().manual_seed(prompt.seed)) for prompt in prompts])
     x = noise.to(device) * starting_noise_scale(float(sigmas[0]), table)
     return sample(ALIASES.get(eval_config.sampler_name, eval_config.sampler_name), denoise, x, sigmas,
                   [prompt.seed for prompt in prompts])
