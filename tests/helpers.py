@@ -124,6 +124,12 @@ def _launch(launch_args: list[str], script_and_args: list[str]) -> subprocess.Co
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
+def cpu_launch_args(processes: int) -> list[str]:
+    """`accelerate launch` options for `processes` training processes on this machine's CPU."""
+    return ["--multi_gpu", "--num_processes", str(processes), "--num_machines", "1", "--mixed_precision", "no",
+            "--dynamo_backend", "no"]
+
+
 def forked_launch(config_path: Path, *overrides: str, target: tuple[str, ...] = (),
                   processes: int = 2) -> subprocess.CompletedProcess:
     """`launch_forked` of `[target] train_sdxl.py --config ... --set ...`."""
@@ -140,9 +146,7 @@ def launch_forked(script_and_args: list[str], processes: int = 2) -> subprocess.
     import torch
 
     if torch.get_num_threads() != 1:
-        launch_args = ["--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
-                       "--mixed_precision", "no", "--dynamo_backend", "no"]
-        return _launch(launch_args, script_and_args)
+        return _launch(cpu_launch_args(processes), script_and_args)
     port = free_port()
     children = [ForkedTrain(script_and_args, main=functools.partial(run_launched, env=launcher_env(rank, processes,
                                                                                                    port)))

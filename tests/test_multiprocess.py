@@ -22,6 +22,7 @@ from tests.helpers import (
     ROOT,
     accelerate_launch,
     accelerate_launch_runs,
+    cpu_launch_args,
     forked_launch,
     free_port,
     tiny_config,
@@ -37,8 +38,7 @@ pytestmark = pytest.mark.slow  # every test here trains (make test-fast leaves t
 PROMPTS = str(ROOT / "tests" / "eval_prompts.three.json")
 
 
-LAUNCH_TWO = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
-              "--dynamo_backend", "no"]
+LAUNCH_TWO = cpu_launch_args(2)
 
 
 def launch_two(config_path: Path, *overrides: str) -> subprocess.CompletedProcess:
