@@ -2,6 +2,7 @@
 
     python tools/pretrain_tiny_sdxl.py            # all stages, into .cache/pretrain (about an hour on 2 cores)
     python tools/pretrain_tiny_sdxl.py --stage vae
+    python tools/pretrain_tiny_sdxl.py --stage vae-ceiling   # the judge on the VAE's reconstructions
 
 Stages, each resumable by running the command again (a stage whose output exists is skipped):
 1. vae:   the tiny VAE, from random weights, reconstructs 32² crops of world images (MSE plus a
@@ -41,7 +42,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from sdxl_trainer.tiny_model import build_tiny_sdxl_pipeline, shipped_weights_path  # noqa: E402
-from sdxl_trainer.world.scenes import WorldSettings, caption, render, scene_for_seed  # noqa: E402
+from sdxl_trainer.world.judge import prompt_matches  # noqa: E402
+from sdxl_trainer.world.scenes import SHAPES, WorldSettings, caption, render, scene_for_seed  # noqa: E402
 
 WORK, SMOKE_WORK = ROOT / ".cache" / "pretrain", ROOT / ".cache" / "pretrain-smoke"
 VAE_STEPS, VAE_BATCH, VAE_CROP, VAE_LR, VAE_KL = 2000, 8, 64, 1e-3, 1e-6
@@ -77,6 +79,33 @@ def psnr(vae, images: torch.Tensor) -> float:
     to_8bit = lambda x: ((x.clamp(-1, 1) + 1) * 127.5).round()  # noqa: E731
     mse = (to_8bit(decoded) - to_8bit(images)).pow(2).mean(dim=(1, 2, 3)).clamp(min=1e-10)
     return float((10 * torch.log10(255.0**2 / mse)).mean())
+
+
+def judged_reconstructions(vae, size: int, count: int = 400) -> dict[str, float]:
+    """The judge's accuracy on the VAE's reconstructions of held-out scenes of every kind, at `size`²,
+    per kind (over the scenes that hold it): the ceiling the VAE puts on prompt accuracy there."""
+    right: dict[str, int] = {kind: 0 for kind in SHAPES}
+    total = dict(right)
+    for seed in range(HELD_OUT_SEEDS.start, HELD_OUT_SEEDS.start + count):
+        scene = scene_for_seed(seed, WorldSettings(shapes=SHAPES))
+        pixels = np.asarray(render(scene, size)[0], dtype=np.float32) / 127.5 - 1.0
+        with torch.no_grad():
+            decoded = vae.decode(vae.encode(torch.from_numpy(pixels).permute(2, 0, 1)[None]).latent_dist.mean).sample
+        image = ((decoded[0].clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).numpy()
+        matches = prompt_matches(image, scene)
+        for kind in {shape.kind for shape in scene.shapes}:
+            total[kind] += 1
+            right[kind] += matches
+    return {kind: right[kind] / total[kind] for kind in SHAPES}
+
+
+def print_vae_ceiling(vae_dir: Path) -> None:
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL.from_pretrained(vae_dir, subfolder="vae").eval()
+    for size in (64, 96, 128):
+        shares = ", ".join(f"{kind} {share:.0%}" for kind, share in judged_reconstructions(vae, size).items())
+        print(f"vae: reconstructions judged right at {size}²: {shares}", flush=True)
 
 
 def train_vae(out: Path, steps: int = VAE_STEPS) -> None:
@@ -184,7 +213,8 @@ def ship(trained: Path, target: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stage", choices=["vae", "data", "unet", "ship", "all"], default="all")
+    parser.add_argument("--stage", choices=["vae", "vae-ceiling", "data", "unet", "ship", "all"], default="all",
+                        help="vae-ceiling: the judge's accuracy on the stage-1 VAE's reconstructions (a measurement)")
     parser.add_argument("--work", type=Path, help=f"where stages write (default {WORK}, or {SMOKE_WORK} with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="a few steps of each stage, shipped into --work instead "
                         "of the package: checks the recipe and its determinism in about a minute")
@@ -195,6 +225,8 @@ def main() -> None:
     stages = ["vae", "data", "unet", "ship"] if args.stage == "all" else [args.stage]
     if "vae" in stages and not vae_dir.is_dir():
         train_vae(vae_dir, 20 if args.smoke else VAE_STEPS)
+    if args.stage == "vae-ceiling":
+        print_vae_ceiling(vae_dir)
     if "data" in stages and not data_dir.is_dir():
         write_data(data_dir, 96 if args.smoke else PRETRAIN_IMAGES)
     short = {"training.num_steps": 10} if args.smoke else {}
