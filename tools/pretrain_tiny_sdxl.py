@@ -75,33 +75,38 @@ def world_batch(rng: random.Random, count: int, crop: int) -> torch.Tensor:
     return torch.from_numpy(np.stack(crops)).permute(0, 3, 1, 2).contiguous()
 
 
-def held_out_images(seeds: range, settings: WorldSettings | None = None) -> torch.Tensor:
-    """World images of `seeds` at IMAGE_SIZE, as a [-1, 1] tensor."""
+def held_out_images(seeds: range, settings: WorldSettings | None = None, size: int = IMAGE_SIZE) -> torch.Tensor:
+    """World images of `seeds` at `size`², as a [-1, 1] tensor."""
     settings = settings or WorldSettings()
-    images = [np.asarray(render(scene_for_seed(seed, settings), IMAGE_SIZE)[0], dtype=np.float32) for seed in seeds]
+    images = [np.asarray(render(scene_for_seed(seed, settings), size)[0], dtype=np.float32) for seed in seeds]
     return torch.from_numpy(np.stack(images) / 127.5 - 1.0).permute(0, 3, 1, 2).contiguous()
 
 
-def psnr(vae, images: torch.Tensor) -> float:
-    """Mean PSNR (dB, 8-bit range) of the VAE's reconstruction (posterior mean) of `images`."""
+def to_8bit(images: torch.Tensor) -> torch.Tensor:
+    return ((images.clamp(-1, 1) + 1) * 127.5).round()
+
+
+def reconstructions(vae, images: torch.Tensor) -> torch.Tensor:
+    """The VAE's reconstruction (posterior mean) of [-1, 1] `images`, in 8-bit values."""
     with torch.no_grad():
-        decoded = torch.cat([vae.decode(vae.encode(chunk).latent_dist.mean).sample for chunk in images.split(32)])
-    to_8bit = lambda x: ((x.clamp(-1, 1) + 1) * 127.5).round()  # noqa: E731
-    mse = (to_8bit(decoded) - to_8bit(images)).pow(2).mean(dim=(1, 2, 3)).clamp(min=1e-10)
+        return to_8bit(torch.cat([vae.decode(vae.encode(chunk).latent_dist.mean).sample for chunk in images.split(32)]))
+
+
+def psnr(vae, images: torch.Tensor) -> float:
+    """Mean PSNR (dB, 8-bit range) of the VAE's reconstruction of `images`."""
+    mse = (reconstructions(vae, images) - to_8bit(images)).pow(2).mean(dim=(1, 2, 3)).clamp(min=1e-10)
     return float((10 * torch.log10(255.0**2 / mse)).mean())
 
 
 def judged_reconstructions(vae, size: int, count: int = 400) -> dict[str, float]:
     """The judge's accuracy on the VAE's reconstructions of held-out scenes of every kind, at `size`²,
     per kind (over the scenes that hold it): the ceiling the VAE puts on prompt accuracy there."""
+    settings, seeds = WorldSettings(shapes=SHAPES), range(HELD_OUT_SEEDS.start, HELD_OUT_SEEDS.start + count)
+    images = reconstructions(vae, held_out_images(seeds, settings, size)).byte().permute(0, 2, 3, 1).numpy()
     right: dict[str, int] = {kind: 0 for kind in SHAPES}
     total = dict(right)
-    for seed in range(HELD_OUT_SEEDS.start, HELD_OUT_SEEDS.start + count):
-        scene = scene_for_seed(seed, WorldSettings(shapes=SHAPES))
-        pixels = np.asarray(render(scene, size)[0], dtype=np.float32) / 127.5 - 1.0
-        with torch.no_grad():
-            decoded = vae.decode(vae.encode(torch.from_numpy(pixels).permute(2, 0, 1)[None]).latent_dist.mean).sample
-        image = ((decoded[0].clamp(-1, 1) + 1) * 127.5).round().byte().permute(1, 2, 0).numpy()
+    for seed, image in zip(seeds, images, strict=True):
+        scene = scene_for_seed(seed, settings)
         matches = prompt_matches(image, scene)
         for kind in {shape.kind for shape in scene.shapes}:
             total[kind] += 1
