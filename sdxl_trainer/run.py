@@ -489,9 +489,19 @@ def forward_backward(run: Run, batch: dict) -> torch.Tensor:
     settings = LossSettings.of(training, min_sigma_on=run.position.step >= training.min_sigma_warmup_steps)
     with run.accelerator.accumulate(*run.prepared), run.autocast:
         loss = diffusion_loss(run.models, run.noise_scheduler, batch, draws, run.device, settings)
+        if not loss.requires_grad:
+            loss = loss + zero_gradient_term(run.trainable)
         run.accelerator.backward(run.scaler.scale(loss))
     tally.epoch_losses.append(loss.detach())
     return loss
+
+
+def zero_gradient_term(trainable: Trainable) -> torch.Tensor:
+    """0 × every trained weight, for a loss that none of them took part in: textual inversion alone
+    on a batch whose captions were all dropped (SDXL's embedding of an empty caption is zero, so the
+    new rows are never read). Backward then gives each weight its true gradient, zero, and the step
+    goes on as any other, instead of failing for want of a graph."""
+    return sum(parameter.sum() for parameter in trainable.parameters()) * 0.0
 
 
 def optimizer_step(run: Run, loss: torch.Tensor) -> StepResult:

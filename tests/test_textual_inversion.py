@@ -193,6 +193,20 @@ def test_the_pivotal_tuning_preset_trains_the_embeddings_for_its_fraction(tmp_pa
     assert not torch.equal(initial["text_encoder"], final["clip_l"])  # they did train in steps 1 and 2
 
 
+@pytest.mark.slow
+def test_a_batch_whose_captions_are_all_dropped_teaches_the_new_vectors_nothing(tmp_path: Path,
+                                                                               tiny_sdxl_dir: Path) -> None:
+    """With textual inversion alone, a batch of dropped captions does not reach the new rows (SDXL's
+    embedding of an empty caption is zero): a zero gradient, not a failed backward."""
+    result = run_preset("textual_inversion", tmp_path, "data.caption_dropout_prob=1.0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    final = load_file(tmp_path / "textual_inversion" / "shapes.safetensors")
+    started = TextualInversionConfig(tokens=[{"token": "<shapes>", "vectors": 2, "init_word": "shape"}])
+    initial = add_tokens(fresh_pipe(), started).vectors("<shapes>")
+    assert torch.equal(final["clip_l"], initial["text_encoder"])
+    assert torch.equal(final["clip_g"], initial["text_encoder_2"])
+
+
 @pytest.mark.parametrize("max_tokens", [75, 150])
 def test_eval_prompts_read_the_trained_vectors(tmp_path: Path, pipe, max_tokens: int) -> None:
     tokens = add_tokens(pipe, SETTINGS)
