@@ -29,13 +29,18 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import ROOT, bench_args, train_quickstart, write_results
+from bench.common import QUICKSTART, ROOT, bench_args, train_quickstart, write_results
 from sdxl_trainer.world.scenes import WorldSettings, caption, render, scene_for_seed
 
 EVAL_EVERY = 25
 DOCS_IMAGES = ROOT / "docs" / "images"
 GRID_COLUMNS = 8
 REG_SEEDS = range(2 * 10**6, 2 * 10**6 + 18)  # known shapes, never in pretraining or eval
+
+TOKEN = "<shapes>"
+# configs/textual_inversion.json's token and rates; the text encoders' own weights stay frozen.
+TI = {"textual_inversion.tokens": [{"token": TOKEN, "vectors": 2, "init_word": "shape"}],
+      "textual_inversion.lr": 5e-3, "model.train_text_encoder_1": False, "data.caption_prefix": f"{TOKEN},"}
 
 # name → config overrides (JSON values), applied on top of the quickstart.
 RUNS: dict[str, dict[str, Any]] = {
@@ -49,7 +54,15 @@ RUNS: dict[str, dict[str, Any]] = {
     "DoRA, Prodigy": {"optimizer.type": "prodigy", "training.lr_unet": 1.0, "training.lr_text_encoder_1": 1.0},
     "DoRA rank 16": {"adapter.rank": 16, "adapter.alpha": 16},
     "LoRA rank 16": {"adapter.type": "lora", "adapter.rank": 16, "adapter.alpha": 16},
+    # A new token before every caption and every concept prompt (main() writes those prompts), its
+    # vectors in both text encoders trained alone, or with the DoRA adapter for the first half.
+    "textual inversion": {**TI, "textual_inversion.train_adapter": False},
+    "pivotal tuning (DoRA rank 4)": {**TI, "textual_inversion.train_adapter": True,
+                                     "textual_inversion.train_fraction": 0.5},
 }
+
+
+SMOKE_RUNS = ("DoRA rank 4 (quickstart)", "pivotal tuning (DoRA rank 4)")
 
 
 def write_reg_images(folder: Path) -> None:
@@ -71,6 +84,27 @@ def smoke_prompts(folder: Path) -> Path:
     return path
 
 
+def token_prompts(prompts_path: Path, folder: Path) -> Path:
+    """The prompts of `prompts_path` with the new token before each concept prompt, written to `folder`."""
+    prompts = json.loads(prompts_path.read_text(encoding="utf-8"))
+    for prompt in prompts:
+        if prompt["group"] == "concept":
+            prompt["prompt"] = f"{TOKEN}, {prompt['prompt']}"
+    path = folder / f"token_{prompts_path.name}"
+    path.write_text(json.dumps(prompts), encoding="utf-8")
+    return path
+
+
+def without_image_dir(folder: Path) -> Path:
+    """The quickstart's config without `data.image_dir`, written to `folder`: a run with
+    `data.subsets` names each subset's folder instead (setting both is a config error)."""
+    config = json.loads(QUICKSTART.read_text(encoding="utf-8"))
+    del config["data"]["image_dir"]
+    path = folder / "quickstart_subsets.json"
+    path.write_text(json.dumps(config), encoding="utf-8")
+    return path
+
+
 def train(name: str, overrides: dict[str, Any], work: Path, steps: int, smoke: bool) -> dict[str, Any]:
     """One quickstart run with `overrides` (--smoke: in this process); the eval entries of its run summary."""
     settings = {"run.output_root": str(work / "runs"), "run.name": "run" + "".join(c for c in name if c.isalnum()),
@@ -79,7 +113,8 @@ def train(name: str, overrides: dict[str, Any], work: Path, steps: int, smoke: b
                 "eval.live.at_start": True, "data.latent_cache.cache_dir": str(work / "latents"),
                 "data.text_cache.cache_dir": str(work / "text"), "data.scan_cache_dir": str(work / "scan"),
                 "export.save_single_file": False, **overrides}
-    train_quickstart(name, settings, in_process=smoke)
+    config = without_image_dir(work) if "data.subsets" in overrides else QUICKSTART
+    train_quickstart(name, settings, in_process=smoke, config=config)
     output = work / "runs" / settings["run.name"]
     return {"evals": json.loads((output / "run_summary.json").read_text())["eval"], "output": output}
 
@@ -116,7 +151,8 @@ def eval_images(folder: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> None:
     args = bench_args(__doc__.splitlines()[0], argv)
-    runs = dict(list(RUNS.items())[:2]) if args.smoke else RUNS
+    # --smoke: the quickstart's row and one with a new token (the only other code path)
+    runs = {name: RUNS[name] for name in SMOKE_RUNS} if args.smoke else RUNS
     steps = 4 if args.smoke else 150
     rows, pictures = [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -128,7 +164,11 @@ def main(argv: list[str] | None = None) -> None:
             if name.startswith("DoRA + prior"):
                 overrides = {**overrides, "data.subsets": [{"image_dir": str(ROOT / "data" / "images")},
                                                            {"image_dir": str(work / "reg"), "is_reg": True}]}
-            result = train(name, {**overrides, **smoke}, work, steps, args.smoke)
+            settings = {**overrides, **smoke}
+            if "textual_inversion.tokens" in overrides:
+                prompts = Path(smoke.get("eval.prompts_path", ROOT / "data" / "eval_prompts.quickstart.json"))
+                settings["eval.prompts_path"] = str(token_prompts(prompts, work))
+            result = train(name, settings, work, steps, args.smoke)
             rows.append(row_of(name, result["evals"]))
             if not pictures:
                 live = result["output"] / "eval" / "live"

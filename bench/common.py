@@ -156,10 +156,13 @@ def run_train_sdxl(name: str, args: list[str], in_process: bool = False) -> None
         raise RuntimeError(f"{name}: train_sdxl.py failed:\n{result.stderr[-3000:]}")
 
 
-def train_quickstart(name: str, settings: dict[str, Any], in_process: bool = False) -> None:
-    """`train_sdxl.py` on configs/quickstart.json with `settings` as `--set` overrides (in a fresh
-    interpreter unless `in_process`: see run_train_sdxl)."""
-    args = ["--config", str(ROOT / "configs" / "quickstart.json")]
+QUICKSTART = ROOT / "configs" / "quickstart.json"
+
+
+def train_quickstart(name: str, settings: dict[str, Any], in_process: bool = False, config: Path = QUICKSTART) -> None:
+    """`train_sdxl.py` on `config` (the quickstart's) with `settings` as `--set` overrides (in a
+    fresh interpreter unless `in_process`: see run_train_sdxl)."""
+    args = ["--config", str(config)]
     for key, value in settings.items():
         args += ["--set", f"{key}={json.dumps(value)}"]
     run_train_sdxl(name, args, in_process)
