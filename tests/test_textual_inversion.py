@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from sdxl_trainer.adapter_kinds import ADAPTER_KINDS
 from sdxl_trainer.conditioning import encode_prompts
 from sdxl_trainer.config import Config, ConfigError, ModelConfig, TextualInversionConfig
 from sdxl_trainer.embeddings import add_tokens, save_embedding_files
@@ -191,6 +192,25 @@ def test_the_pivotal_tuning_preset_trains_the_embeddings_for_its_fraction(tmp_pa
     started = TextualInversionConfig(tokens=[{"token": "<shapes>", "vectors": 2, "init_word": "shape"}])
     initial = add_tokens(fresh_pipe(), started).vectors("<shapes>")
     assert not torch.equal(initial["text_encoder"], final["clip_l"])  # they did train in steps 1 and 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["lora", "lokr", "loha"])
+def test_pivotal_tuning_trains_beside_every_adapter_kind(tmp_path: Path, tiny_sdxl_dir: Path, kind: str) -> None:
+    """The pivotal preset with another adapter kind: the embeddings train for the first half, the
+    adapter to the end, and the embedding file is written beside both adapter files."""
+    result = run_preset("pivotal_tuning", tmp_path, f'adapter.type="{kind}"', "export.save_single_file=false")
+    assert result.returncode == 0, result.stderr[-3000:]
+    folder = tmp_path / "pivotal_tuning"
+    halfway = folder / "checkpoints" / "checkpoint-2"  # train_fraction 0.5 of 4 steps
+    weight_file = ADAPTER_KINDS[kind].weight_file
+    adapter, at_half = load_file(folder / weight_file), load_file(halfway / weight_file)
+    assert adapter.keys() == at_half.keys() and any(not torch.equal(adapter[k], at_half[k]) for k in adapter)
+    assert (folder / "pivotal_tuning_kohya.safetensors").is_file()
+    final, half = (load_file(path / "shapes.safetensors") for path in (folder, halfway))
+    assert all(torch.equal(final[key], half[key]) for key in final)
+    started = TextualInversionConfig(tokens=[{"token": "<shapes>", "vectors": 2, "init_word": "shape"}])
+    assert not torch.equal(add_tokens(fresh_pipe(), started).vectors("<shapes>")["text_encoder"], final["clip_l"])
 
 
 @pytest.mark.slow
