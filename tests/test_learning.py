@@ -24,6 +24,7 @@ from tests.helpers import ROOT
 
 QUICKSTART = ROOT / "configs" / "quickstart.json"
 FINE_TUNE_STEPS = 100
+LOG_EVERY = 10  # the fine-tune logs train/loss as the mean of each 10 steps
 # The pretrained model's check renders at half the quickstart's 20 sampling steps: its floors hold
 # there with the same margin, and a random UNet falls far below them (docs/tiny_model.md). The
 # fine-tune's eval keeps 20: at 10 its prompt accuracy on the prior drops to 34 %, near its floor.
@@ -47,7 +48,7 @@ def fine_tune(tmp_path: Path, *overrides: str) -> dict[str, dict[str, float]]:
     argv = ["--config", str(QUICKSTART), "--set", f"run.output_root={json.dumps(str(tmp_path))}",
             "--set", f"training.num_steps={FINE_TUNE_STEPS}", "--set", "training.checkpoint_every=1000",
             "--set", f"training.tensorboard.base_dir={json.dumps(str(tmp_path / 'tb'))}",
-            "--set", "training.log_every=10", "--set", "eval.live.enabled=false",
+            "--set", f"training.log_every={LOG_EVERY}", "--set", "eval.live.enabled=false",
             "--set", "export.save_single_file=false", "--set", 'export.adapter_formats=["diffusers"]',
             "--set", f"data.latent_cache.cache_dir={json.dumps(str(tmp_path / 'latents'))}",
             "--set", f"data.text_cache.cache_dir={json.dumps(str(tmp_path / 'text'))}",
@@ -59,8 +60,8 @@ def fine_tune(tmp_path: Path, *overrides: str) -> dict[str, dict[str, float]]:
     final = [entry for entry in summary["eval"] if entry["tag"] == "final"]
     events = EventAccumulator(str(next((tmp_path / "tb").rglob("events.out.tfevents.*")).parent))
     events.Reload()
-    losses = [event.value for event in events.Scalars("train/loss")]  # each the mean of log_every steps
-    assert len(losses) == FINE_TUNE_STEPS // 10
+    losses = [event.value for event in events.Scalars("train/loss")]  # each the mean of LOG_EVERY steps
+    assert len(losses) == FINE_TUNE_STEPS // LOG_EVERY
     return {**final[0]["accuracy"], "training loss": {"mean": sum(losses) / len(losses)}}
 
 

@@ -151,6 +151,12 @@ def run_preset(name: str, output: Path, *overrides: str):
                           *[part for item in settings for part in ("--set", item)])
 
 
+def presets_initial_vectors() -> dict[str, torch.Tensor]:
+    """The presets' `<shapes>` vectors before training (from `shape`), per text encoder."""
+    started = TextualInversionConfig(tokens=[{"token": "<shapes>", "vectors": 2, "init_word": "shape"}])
+    return add_tokens(fresh_pipe(), started).vectors("<shapes>")
+
+
 @pytest.mark.slow
 def test_the_textual_inversion_preset_trains_exports_and_resumes_bit_exact(tmp_path: Path,
                                                                           tiny_sdxl_dir: Path) -> None:
@@ -189,9 +195,8 @@ def test_the_pivotal_tuning_preset_trains_the_embeddings_for_its_fraction(tmp_pa
     at_half = load_file(folder / "checkpoints" / "checkpoint-2" / "shapes.safetensors")
     final = load_file(folder / "shapes.safetensors")
     assert all(torch.equal(final[key], at_half[key]) for key in final)  # train_fraction 0.5 of 4 steps
-    started = TextualInversionConfig(tokens=[{"token": "<shapes>", "vectors": 2, "init_word": "shape"}])
-    initial = add_tokens(fresh_pipe(), started).vectors("<shapes>")
-    assert not torch.equal(initial["text_encoder"], final["clip_l"])  # they did train in steps 1 and 2
+    # they did train in steps 1 and 2
+    assert not torch.equal(presets_initial_vectors()["text_encoder"], final["clip_l"])
 
 
 @pytest.mark.slow
@@ -209,8 +214,7 @@ def test_pivotal_tuning_trains_beside_every_adapter_kind(tmp_path: Path, tiny_sd
     assert (folder / "pivotal_tuning_kohya.safetensors").is_file()
     final, half = (load_file(path / "shapes.safetensors") for path in (folder, halfway))
     assert all(torch.equal(final[key], half[key]) for key in final)
-    started = TextualInversionConfig(tokens=[{"token": "<shapes>", "vectors": 2, "init_word": "shape"}])
-    assert not torch.equal(add_tokens(fresh_pipe(), started).vectors("<shapes>")["text_encoder"], final["clip_l"])
+    assert not torch.equal(presets_initial_vectors()["text_encoder"], final["clip_l"])
 
 
 @pytest.mark.slow
@@ -221,8 +225,7 @@ def test_a_batch_whose_captions_are_all_dropped_teaches_the_new_vectors_nothing(
     result = run_preset("textual_inversion", tmp_path, "data.caption_dropout_prob=1.0")
     assert result.returncode == 0, result.stderr[-3000:]
     final = load_file(tmp_path / "textual_inversion" / "shapes.safetensors")
-    started = TextualInversionConfig(tokens=[{"token": "<shapes>", "vectors": 2, "init_word": "shape"}])
-    initial = add_tokens(fresh_pipe(), started).vectors("<shapes>")
+    initial = presets_initial_vectors()
     assert torch.equal(final["clip_l"], initial["text_encoder"])
     assert torch.equal(final["clip_g"], initial["text_encoder_2"])
 
