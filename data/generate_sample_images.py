@@ -4,7 +4,8 @@
 
 Eighteen world-of-shapes images of a *cross*, a shape and a word the pretrained built-in tiny SDXL
 has never seen, on the world's backgrounds, with captions in its grammar ("a red cross, blue
-background"). Three image sizes, so the quickstart fills three aspect buckets.
+background"), at the pretrained model's size, 128² (where its 8× VAE can draw a cross's arms), and
+at 192×128 and 128×192, so the quickstart fills three aspect buckets.
 
 It also writes the eval prompts: data/eval_prompts.quickstart.json (group "concept": crosses the
 training images do not show; group "prior": scenes of the shapes the model knew, which training
@@ -24,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sdxl_trainer.atomic import write_json
 from sdxl_trainer.world.scenes import WorldSettings, caption, render, sample_scene, scene_for_seed
 
-SIZES = ((96, 64), (64, 96), (64, 64))
+SIZES = ((192, 128), (128, 192), (128, 128))
+IMAGES = 18
 CONCEPT = WorldSettings(shapes=("cross",), two_shape_fraction=0.0)
 SEED = 2024
 CONCEPT_PROMPTS, PRIOR_PROMPTS, WORLD_PROMPTS = 16, 32, 64
@@ -35,7 +37,7 @@ def main() -> None:
     folder = Path(__file__).parent / "images"
     folder.mkdir(parents=True, exist_ok=True)
     rng = random.Random(SEED)
-    for index in range(18):
+    for index in range(IMAGES):
         scene = sample_scene(rng, CONCEPT)
         image, _ = render(scene, *SIZES[index % len(SIZES)])
         image.save(folder / f"shape_{index:02d}.png", optimize=True)

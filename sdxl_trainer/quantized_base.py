@@ -116,6 +116,10 @@ def _bitsandbytes_nf4(layer: torch.nn.Linear, device: torch.device) -> torch.nn.
                                          compress_statistics=True, blocksize=NF4_BLOCK)
     if bias:
         quantized.bias = torch.nn.Parameter(layer.bias.detach().to("cpu"), requires_grad=False)
+    # On CPUs with AVX512-BF16, bitsandbytes repacks the weight for a faster path when the layer
+    # runs without gradients (eval). That path fails for layers narrower than a block (the tiny
+    # model's 32-wide ones) and computes otherwise than training does: keep the one path.
+    quantized.support_avx512bf16_for_cpu = False
     return quantized.to(device).requires_grad_(False).train(layer.training)
 
 

@@ -20,7 +20,7 @@ TINY_SDXL = "builtin:tiny-sdxl"
 # Bump when the architecture or the tokenizer below changes: the cache folder is keyed by it.
 TINY_SDXL_VERSION = 2
 # The sha256 of the shipped weights (tools/pretrain_tiny_sdxl.py prints it when it writes them).
-TINY_SDXL_SHA256 = "0396e8cc3043b2961fead6d0452474f6adfb06cff9df8b935eedb5544d675543"
+TINY_SDXL_SHA256 = "c5294855a1d357371fbaa7cec32e1cdeec29a6a056f0927f9ff7956e3389694c"
 
 # Words the tiny tokenizer knows as whole tokens; anything else falls back to single characters.
 _TOKENIZER_WORDS = (
@@ -125,15 +125,20 @@ def build_pretrained_tiny_sdxl():
     """The tiny SDXL architecture with the shipped pretrained weights, after checking their hash."""
     import hashlib
 
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
     path = shipped_weights_path()
     digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "missing"
     if digest != TINY_SDXL_SHA256:
         raise RuntimeError(f"{path}: sha256 {digest}, expected {TINY_SDXL_SHA256}; the shipped weights of the "
                            "built-in tiny SDXL are damaged (git checkout the file, or rebuild them with "
                            "tools/pretrain_tiny_sdxl.py)")
+    return tiny_sdxl_from_weights(path)
+
+
+def tiny_sdxl_from_weights(path: Path):
+    """The tiny SDXL architecture with the weights of an fp16 file in the shipped layout, in fp32."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
     pipe = build_tiny_sdxl_pipeline()
     tensors = load_file(path)
     for name in ("unet", "vae", "text_encoder", "text_encoder_2"):

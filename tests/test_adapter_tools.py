@@ -200,7 +200,9 @@ def test_extracted_dora_fuses_in_diffusers_with_the_tuned_models_norms_exactly(
 
 
 def test_extracted_dora_merges_in_lycoris_as_in_diffusers(models: SimpleNamespace, dora: SimpleNamespace) -> None:
-    """LyCORIS's own module reads the kohya file; it adds 1.2e-7 to the norm, so rtol 1e-6."""
+    """LyCORIS's own module reads the kohya file. It adds 1.2e-7 to the norm and merges in another
+    order, so weights agree to rtol 1e-5, and near zero to atol 5e-7 (a few float32 steps at the
+    weights' scale: the pretrained weights have entries near 1, where one step is 1.2e-7)."""
     locon = pytest.importorskip("lycoris.modules.locon")
     with safe_open(str(dora.kohya_file), framework="pt") as handle:
         tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
@@ -215,7 +217,7 @@ def test_extracted_dora_merges_in_lycoris_as_in_diffusers(models: SimpleNamespac
                 tensors[f"{name}.dora_scale"])
             lycoris.apply_to()
             got = lycoris.get_merged_weight()[0]
-        torch.testing.assert_close(got, _expected_dora(models, layer.component, layer.name), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(got, _expected_dora(models, layer.component, layer.name), rtol=1e-5, atol=5e-7)
         kinds.add(type(module.get_submodule(layer.name)))
     assert kinds == {torch.nn.Linear, torch.nn.Conv2d}
 

@@ -191,8 +191,8 @@ def test_dry_run_prints_the_preflight_and_builds_no_model(tmp_path: Path, tiny_s
     assert result.returncode == 0, result.stderr
     report = result.stdout
     assert "images: 18 usable, 0 skipped, 0 without caption" in report
-    assert "  64x64            6      2        3        0" in report
-    assert "steps: 150 optimizer steps (9 per epoch" in report
+    assert "  128x128          6      2        3        0" in report
+    assert "steps: 600 optimizer steps (9 per epoch" in report
     assert "latent cache: 0 hits, 18 misses" in report
 
 

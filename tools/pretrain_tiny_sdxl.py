@@ -1,6 +1,6 @@
 """Rebuild the pretrained built-in tiny SDXL from nothing: the weights file the package ships.
 
-    python tools/pretrain_tiny_sdxl.py            # all stages, into .cache/pretrain (about an hour on 2 cores)
+    python tools/pretrain_tiny_sdxl.py            # all stages, into .cache/pretrain (about 1.5 hours on 2 cores)
     python tools/pretrain_tiny_sdxl.py --stage vae
     python tools/pretrain_tiny_sdxl.py --stage vae-ceiling   # the judge on the VAE's reconstructions
 
@@ -12,10 +12,12 @@ Stages, each resumable by running the command again (a stage whose output exists
 3. unet:  `train_sdxl.py --config configs/pretrain_tiny_sdxl.json`: a full fine-tune of the UNet
           and both text encoders from random weights (stage 1's VAE beside them), by this trainer,
           on that folder.
-4. ship:  the trained pipeline as one fp16 safetensors file (sdxl_trainer/weights/), whose sha256
-          goes into sdxl_trainer/tiny_model.py.
-Not in "all" yet: unet128, stage 3's model trained on at 128² (`--stage unet128`, into
-runs/tiny-sdxl-128), where the VAE can carry every kind; docs/tiny_model.md says why and what it gave.
+4. ship64: stage 3's pipeline as one fp16 safetensors file, work/tiny_sdxl_64.fp16.safetensors
+          (the package shipped this file until 2026-11-27; its sha256 then is STAGE4_SHA256).
+5. unet128: stage 4's weights trained on at 128² (and 192×128, 128×192): the same scenes drawn at
+          twice the size, where the 8× VAE carries every kind (docs/tiny_model.md says why).
+6. ship:  stage 5's pipeline as the fp16 file the package ships (sdxl_trainer/weights/), whose
+          sha256 goes into sdxl_trainer/tiny_model.py.
 
 Deterministic on one machine: the same command with the same number of threads writes the same
 file (fixed seeds, a single-process data loader, torch's deterministic CPU kernels).
@@ -43,7 +45,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sdxl_trainer.tiny_model import build_tiny_sdxl_pipeline, shipped_weights_path  # noqa: E402
+from sdxl_trainer.tiny_model import build_tiny_sdxl_pipeline, shipped_weights_path, tiny_sdxl_from_weights  # noqa: E402
 from sdxl_trainer.world.judge import prompt_matches  # noqa: E402
 from sdxl_trainer.world.scenes import SHAPES, WorldSettings, caption, render, scene_for_seed  # noqa: E402
 
@@ -55,9 +57,11 @@ DATA_SIZES = ((64, 64), (64, 64), (64, 64), (64, 64), (96, 64), (64, 96))
 TRAIN_SEEDS = range(0, PRETRAIN_IMAGES)  # held-out world images use seeds from 10**6 on
 HELD_OUT_SEEDS = range(10**6, 10**6 + 256)
 SMOKE_TRAINING = {"training.num_steps": 10}  # --smoke: what the trainer's stages override
-# Stage unet128 (not in "all", not shipped yet; docs/tiny_model.md): stage 3's model continued on the
-# same scenes drawn at twice the size, where the VAE carries every kind. SDXL itself was trained at
-# rising resolutions.
+STAGES = ["vae", "data", "unet", "ship64", "unet128", "ship"]
+# Stage 4's file as the machine that built the shipped model wrote it: a rebuild elsewhere may differ
+# (other CPUs round differently); the recipe says so and goes on.
+STAGE4_SHA256 = "0396e8cc3043b2961fead6d0452474f6adfb06cff9df8b935eedb5544d675543"
+# Stage 5: the same scenes drawn at twice the size. SDXL itself was trained at rising resolutions.
 AT_128 = {"data.size": 128, "data.bucket.resolutions": [[128, 128], [192, 128], [128, 192]],
           "data.bucket.batch_size": 16, "training.num_steps": 6000, "training.lr_unet": 3e-4,
           "training.lr_text_encoder_1": 1.5e-4, "training.lr_text_encoder_2": 1.5e-4,
@@ -208,7 +212,8 @@ def train_unet(work: Path, start: Path, name: str, overrides: dict[str, Any]) ->
     subprocess.run(command, check=True, cwd=ROOT)
 
 
-def ship(trained: Path, target: Path) -> None:
+def ship(trained: Path, target: Path) -> str:
+    """Write a trained pipeline folder as one fp16 safetensors file; return its sha256."""
     from diffusers import StableDiffusionXLPipeline
     from safetensors.torch import save_file
 
@@ -224,25 +229,34 @@ def ship(trained: Path, target: Path) -> None:
     tmp.replace(target)
     digest = hashlib.sha256(target.read_bytes()).hexdigest()
     print(f"shipped {target} ({target.stat().st_size / 1e6:.1f} MB), sha256 {digest}")
-    if target == shipped_weights_path():
-        print("put this sha256 into sdxl_trainer/tiny_model.py (TINY_SDXL_SHA256)")
+    return digest
+
+
+def pipeline_folder(weights: Path, folder: Path) -> Path:
+    """A pipeline folder (fp32) from an fp16 weights file, for the trainer to start from."""
+    if not (folder / "model_index.json").is_file():
+        tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tiny_sdxl_from_weights(weights).save_pretrained(tmp, safe_serialization=True)
+        tmp.rename(folder)
+    return folder
 
 
 def continue_at_128(work: Path, smoke: bool) -> None:
-    """Stage unet128: stage 3's output trained on, at 128² (and 192×128, 128×192)."""
+    """Stage 5: stage 4's weights trained on at 128² (and 192×128, 128×192)."""
     data_dir = work / "world-128"
     if not data_dir.is_dir():
         write_data(data_dir, 96 if smoke else PRETRAIN_IMAGES, scale=2)
-    train_unet(work, work / "runs" / "tiny-sdxl", "tiny-sdxl-128",
+    start = pipeline_folder(work / "tiny_sdxl_64.fp16.safetensors", work / "stage5-init")
+    train_unet(work, start, "tiny-sdxl-128",
                {**AT_128, "data.image_dir": str(data_dir), "data.latent_cache.cache_dir": str(work / "latents-128"),
                 "data.scan_cache_dir": str(work / "scan-128"), **(SMOKE_TRAINING if smoke else {})})
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stage", choices=["vae", "vae-ceiling", "data", "unet", "unet128", "ship", "all"],
-                        default="all", help="vae-ceiling: the judge's accuracy on the stage-1 VAE's reconstructions "
-                        "(a measurement); unet128: stage 3's model continued at 128² (not shipped yet)")
+    parser.add_argument("--stage", choices=[*STAGES, "vae-ceiling", "all"], default="all",
+                        help="vae-ceiling: the judge's accuracy on the stage-1 VAE's reconstructions (a measurement)")
     parser.add_argument("--work", type=Path, help=f"where stages write (default {WORK}, or {SMOKE_WORK} with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="a few steps of each stage, shipped into --work instead "
                         "of the package: checks the recipe and its determinism in about a minute")
@@ -250,7 +264,8 @@ def main() -> None:
     work = args.work or (SMOKE_WORK if args.smoke else WORK)
     torch.use_deterministic_algorithms(True)
     vae_dir, data_dir, runs = work / "stage1-vae", work / "world-64", work / "runs"
-    stages = ["vae", "data", "unet", "ship"] if args.stage == "all" else [args.stage]
+    at_64 = work / "tiny_sdxl_64.fp16.safetensors"
+    stages = STAGES if args.stage == "all" else [args.stage]
     if "vae" in stages and not vae_dir.is_dir():
         train_vae(vae_dir, 20 if args.smoke else VAE_STEPS)
     if args.stage == "vae-ceiling":
@@ -259,12 +274,16 @@ def main() -> None:
         write_data(data_dir, 96 if args.smoke else PRETRAIN_IMAGES)
     if "unet" in stages and not (runs / "tiny-sdxl" / "model_index.json").is_file():
         train_unet(work, initial_pipeline(work), "tiny-sdxl", SMOKE_TRAINING if args.smoke else {})
-    if args.stage == "unet128" and not (runs / "tiny-sdxl-128" / "model_index.json").is_file():
+    if "ship64" in stages and not at_64.is_file() and ship(runs / "tiny-sdxl", at_64) != STAGE4_SHA256:
+        print(f"note: stage 4 differs from the file the shipped model was trained from ({STAGE4_SHA256}): "
+              "a smoke run, another machine or another number of threads")
+    if "unet128" in stages and not (runs / "tiny-sdxl-128" / "model_index.json").is_file():
         continue_at_128(work, args.smoke)
     if "ship" in stages:
         target = work / "tiny_sdxl.fp16.safetensors" if args.smoke else shipped_weights_path()
-        ship(runs / "tiny-sdxl", target)
-
+        ship(runs / "tiny-sdxl-128", target)
+        if not args.smoke:
+            print("put this sha256 into sdxl_trainer/tiny_model.py (TINY_SDXL_SHA256)")
 
 if __name__ == "__main__":
     main()
