@@ -108,7 +108,7 @@ def train(name: str, overrides: dict[str, Any], work: Path, steps: int, smoke: b
     """One quickstart run with `overrides` (--smoke: in this process); the eval entries of its run summary."""
     settings = {"run.output_root": str(work / "runs"), "run.name": "run" + "".join(c for c in name if c.isalnum()),
                 "training.num_steps": steps, "training.checkpoint_every": 10**6,
-                "training.tensorboard.enabled": False, "eval.live.every_n_steps": max(1, steps // EVALS),
+                "training.tensorboard.enabled": False,
                 "eval.live.at_start": True, "data.latent_cache.cache_dir": str(work / "latents"),
                 "data.text_cache.cache_dir": str(work / "text"), "data.scan_cache_dir": str(work / "scan"),
                 "export.save_single_file": False, **overrides}
@@ -158,13 +158,13 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         write_reg_images(work / "reg", quickstart["data"]["size"])
-        smoke = {"eval.num_inference_steps": 1, "eval.live.every_n_steps": 2,
-                 "eval.prompts_path": str(smoke_prompts(work))} if args.smoke else {}
+        every = 2 if args.smoke else max(1, steps // EVALS)
+        smoke = {"eval.num_inference_steps": 1, "eval.prompts_path": str(smoke_prompts(work))} if args.smoke else {}
         for name, overrides in runs.items():
             if name.startswith("DoRA + prior"):
                 overrides = {**overrides, "data.subsets": [{"image_dir": str(ROOT / "data" / "images")},
                                                            {"image_dir": str(work / "reg"), "is_reg": True}]}
-            settings = {**overrides, **smoke}
+            settings = {"eval.live.every_n_steps": every, **overrides, **smoke}
             if "textual_inversion.tokens" in overrides:
                 prompts = Path(smoke.get("eval.prompts_path", ROOT / "data" / "eval_prompts.quickstart.json"))
                 settings["eval.prompts_path"] = str(token_prompts(prompts, work))
@@ -173,7 +173,6 @@ def main(argv: list[str] | None = None) -> None:
             if not pictures:
                 live = result["output"] / "eval" / "live"
                 pictures.append(("before", eval_images(live / "step_0")))
-                every = 2 if args.smoke else max(1, steps // EVALS)
                 during = [(f"step {step}", eval_images(live / f"step_{step}"))
                           for step in (0, steps // 3 // every * every)]
                 grid([*during, ("end", eval_images(result["output"] / "eval" / "final"))],

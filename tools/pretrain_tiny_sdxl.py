@@ -36,6 +36,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -184,19 +185,23 @@ def write_data(folder: Path, count: int = PRETRAIN_IMAGES, scale: int = 1) -> No
     tmp.rename(folder)
 
 
-def initial_pipeline(work: Path) -> Path:
+def saved_pipeline(folder: Path, build: Callable[[], Any]) -> Path:
+    """`folder` holding the pipeline `build()` returns, written once and atomically: a start for the trainer."""
+    if not (folder / "model_index.json").is_file():
+        tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        build().save_pretrained(tmp, safe_serialization=True)
+        tmp.rename(folder)
+    return folder
+
+
+def initial_pipeline(work: Path) -> Any:
     """The random-weight tiny SDXL with stage 1's trained VAE: what stage 3 starts from."""
     from diffusers import AutoencoderKL
 
-    folder = work / "stage3-init"
-    if not (folder / "model_index.json").is_file():
-        pipe = build_tiny_sdxl_pipeline()
-        pipe.vae = AutoencoderKL.from_pretrained(work / "stage1-vae", subfolder="vae")
-        tmp = folder.with_name(folder.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        pipe.save_pretrained(tmp, safe_serialization=True)
-        tmp.rename(folder)
-    return folder
+    pipe = build_tiny_sdxl_pipeline()
+    pipe.vae = AutoencoderKL.from_pretrained(work / "stage1-vae", subfolder="vae")
+    return pipe
 
 
 def train_unet(work: Path, start: Path, name: str, overrides: dict[str, Any]) -> None:
@@ -232,22 +237,12 @@ def ship(trained: Path, target: Path) -> str:
     return digest
 
 
-def pipeline_folder(weights: Path, folder: Path) -> Path:
-    """A pipeline folder (fp32) from an fp16 weights file, for the trainer to start from."""
-    if not (folder / "model_index.json").is_file():
-        tmp = folder.with_name(folder.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tiny_sdxl_from_weights(weights).save_pretrained(tmp, safe_serialization=True)
-        tmp.rename(folder)
-    return folder
-
-
-def continue_at_128(work: Path, smoke: bool) -> None:
-    """Stage 5: stage 4's weights trained on at 128² (and 192×128, 128×192)."""
+def continue_at_128(work: Path, at_64: Path, smoke: bool) -> None:
+    """Stage 5: stage 4's weights (the file `at_64`) trained on at 128² (and 192×128, 128×192)."""
     data_dir = work / "world-128"
     if not data_dir.is_dir():
         write_data(data_dir, 96 if smoke else PRETRAIN_IMAGES, scale=2)
-    start = pipeline_folder(work / "tiny_sdxl_64.fp16.safetensors", work / "stage5-init")
+    start = saved_pipeline(work / "stage5-init", lambda: tiny_sdxl_from_weights(at_64))
     train_unet(work, start, "tiny-sdxl-128",
                {**AT_128, "data.image_dir": str(data_dir), "data.latent_cache.cache_dir": str(work / "latents-128"),
                 "data.scan_cache_dir": str(work / "scan-128"), **(SMOKE_TRAINING if smoke else {})})
@@ -273,12 +268,13 @@ def main() -> None:
     if "data" in stages and not data_dir.is_dir():
         write_data(data_dir, 96 if args.smoke else PRETRAIN_IMAGES)
     if "unet" in stages and not (runs / "tiny-sdxl" / "model_index.json").is_file():
-        train_unet(work, initial_pipeline(work), "tiny-sdxl", SMOKE_TRAINING if args.smoke else {})
+        start = saved_pipeline(work / "stage3-init", lambda: initial_pipeline(work))
+        train_unet(work, start, "tiny-sdxl", SMOKE_TRAINING if args.smoke else {})
     if "ship64" in stages and not at_64.is_file() and ship(runs / "tiny-sdxl", at_64) != STAGE4_SHA256:
         print(f"note: stage 4 differs from the file the shipped model was trained from ({STAGE4_SHA256}): "
               "a smoke run, another machine or another number of threads")
     if "unet128" in stages and not (runs / "tiny-sdxl-128" / "model_index.json").is_file():
-        continue_at_128(work, args.smoke)
+        continue_at_128(work, at_64, args.smoke)
     if "ship" in stages:
         target = work / "tiny_sdxl.fp16.safetensors" if args.smoke else shipped_weights_path()
         ship(runs / "tiny-sdxl-128", target)
