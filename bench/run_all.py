@@ -1,6 +1,6 @@
 """Run every CPU benchmark and write bench/results/<name>.json and <name>.md for each.
 
-    python bench/run_all.py            # the tables of docs/performance.md (about 25 minutes on 2 cores)
+    python bench/run_all.py            # the tables of docs/performance.md (over an hour on 2 cores)
     python bench/run_all.py --smoke    # seconds per benchmark: only checks that each still runs
 
 Each benchmark runs in its own interpreter, so that one's threads, memory and imports cannot
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import BENCH, bench_args, quiet_env
 
 BENCHMARKS = ("bench_step", "bench_text_cache", "bench_dora", "bench_data", "bench_convert", "bench_startup",
-              "bench_learning", "bench_fused")
+              "bench_pretrained", "bench_learning", "bench_fused")
 # --smoke only (each with its own options): on the CPU the GPU benchmark's MFU needs a stated peak.
 SMOKE_ONLY = {"bench_memory": [], "bench_adapters": [], "bench_quantized_base": [], "gpu_sdxl": ["--peak-tflops", "1"]}
 

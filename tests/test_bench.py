@@ -81,6 +81,11 @@ def test_cpu_benchmarks_smoke(results: Path) -> None:
     for name in ("train_sdxl.py --help", "train_sdxl.py --dry-run (quickstart)"):
         assert_positive(startup[name], "seconds", "peak_rss_MB")
 
+    (pretrained,) = rows_of(results / "pretrained.json")  # --smoke: two world prompts, one step, CFG 2
+    assert (pretrained["cfg"], pretrained["steps"], pretrained["prompts_right"][-4:]) == (2.0, 1, " / 2")
+    assert 0.0 <= pretrained["accuracy"] <= 1.0
+    assert_positive(pretrained, "seconds")
+
     learning = rows_of(results / "learning.json")
     assert [row["method"] for row in learning] == ["DoRA rank 8 (quickstart)", "pivotal tuning (DoRA rank 8)"]
     for row in learning:  # accuracies are fractions; at 4 steps they may well be 0
