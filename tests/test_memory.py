@@ -183,6 +183,12 @@ def test_an_adapter_run_is_offered_a_quantized_base_where_it_runs(tmp_path, tiny
                for remedy in quantized_base_remedies(dora, "cpu")}
     assert offered == {"float8_e4m3fn": 'an fp8 base under the adapter (model.base_quantization "float8_e4m3fn")',
                        "nf4": 'an NF4 base under the adapter (model.base_quantization "nf4")'}
+    # Each remedy re-validates the config with its change: a config with data.subsets (and the
+    # default data.image_dir beside them) gets the same offers.
+    subsets = tiny_config(tmp_path)
+    subsets["data"]["subsets"] = [{"image_dir": subsets["data"].pop("image_dir")}]
+    assert [remedy.changes for remedy in quantized_base_remedies(validate_config(subsets), "cpu")] == [
+        remedy.changes for remedy in quantized_base_remedies(dora, "cpu")]
     full_precision = cached_plan(dora, shape, "cpu")
     for form in offered:
         quantized = cached_plan(validate_config(tiny_config(tmp_path, model={"base_quantization": form})), shape, "cpu")

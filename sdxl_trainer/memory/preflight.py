@@ -183,14 +183,15 @@ def quantized_base_remedies(config: Config, device: str) -> list[Remedy]:
 def _with_changes(config: Config, changes: dict[str, Any]) -> Config:
     from ..config import validate_config
 
-    data = config.resolved()
+    # The keys the user set, not every default: a default can contradict a set key (data.image_dir
+    # beside data.subsets) and validation would refuse the config.
+    data = config.model_dump(mode="json", by_alias=True, exclude_unset=True)
     for key, value in changes.items():
         section, name = key.split(".")
-        data[section][name] = value
-    if changes.get("model.train_text_encoder_1") is False:
-        data["training"]["lr_text_encoder_1"] = None
-    if changes.get("model.train_text_encoder_2") is False:
-        data["training"]["lr_text_encoder_2"] = None
+        data.setdefault(section, {})[name] = value
+    for index in (1, 2):
+        if changes.get(f"model.train_text_encoder_{index}") is False:
+            data.setdefault("training", {})[f"lr_text_encoder_{index}"] = None
     return validate_config(data)
 
 
