@@ -30,12 +30,11 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import QUICKSTART, ROOT, bench_args, train_quickstart, write_results
-from sdxl_trainer.world.scenes import WorldSettings, caption, render, scene_for_seed
 
 EVALS = 6  # live evals after the one at step 0
 DOCS_IMAGES = ROOT / "docs" / "images"
 GRID_COLUMNS = 8
-REG_SEEDS = range(2 * 10**6, 2 * 10**6 + 18)  # known shapes, never in pretraining or eval
+REG = ROOT / "data" / "reg"  # 18 known-shape images (data/generate_sample_images.py)
 
 TOKEN = "<shapes>"
 # configs/textual_inversion.json's token and rates; the text encoders' own weights stay frozen.
@@ -62,15 +61,6 @@ RUNS: dict[str, dict[str, Any]] = {
 
 
 SMOKE_RUNS = ("DoRA rank 8 (quickstart)", "pivotal tuning (DoRA rank 8)")
-
-
-def write_reg_images(folder: Path, size: int) -> None:
-    """Regularization images: ground-truth world scenes of the shapes the model already knows."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for seed in REG_SEEDS:
-        scene = scene_for_seed(seed, WorldSettings(two_shape_fraction=0.0))
-        render(scene, size)[0].save(folder / f"reg_{seed}.png")
-        (folder / f"reg_{seed}.txt").write_text(caption(scene) + "\n", encoding="utf-8")
 
 
 def smoke_prompts(folder: Path) -> Path:
@@ -157,13 +147,12 @@ def main(argv: list[str] | None = None) -> None:
     rows, pictures = [], []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        write_reg_images(work / "reg", quickstart["data"]["size"])
         every = 2 if args.smoke else max(1, steps // EVALS)
         smoke = {"eval.num_inference_steps": 1, "eval.prompts_path": str(smoke_prompts(work))} if args.smoke else {}
         for name, overrides in runs.items():
             if name.startswith("DoRA + prior"):
                 overrides = {**overrides, "data.subsets": [{"image_dir": str(ROOT / "data" / "images")},
-                                                           {"image_dir": str(work / "reg"), "is_reg": True}]}
+                                                           {"image_dir": str(REG), "is_reg": True}]}
             settings = {"eval.live.every_n_steps": every, **overrides, **smoke}
             if "textual_inversion.tokens" in overrides:
                 prompts = Path(smoke.get("eval.prompts_path", ROOT / "data" / "eval_prompts.quickstart.json"))

@@ -7,11 +7,14 @@ has never seen, on the world's backgrounds, with captions in its grammar ("a red
 background"), at the pretrained model's size, 128² (where its 8× VAE can draw a cross's arms), and
 at 192×128 and 128×192, so the quickstart fills three aspect buckets.
 
-It also writes the eval prompts: data/eval_prompts.quickstart.json (group "concept": crosses the
-training images do not show; group "prior": scenes of the shapes the model knew, which training
-should not forget) and data/eval_prompts.world.json (held-out scenes of the pretraining world,
-for the pretrained model's own prompt accuracy). The files are committed; this script documents
-how they were made and rebuilds them exactly.
+It also writes data/reg, eighteen regularization images for prior preservation (one shape the
+model knows on each, from seeds the pretraining data and the eval prompts never use), which
+configs/quickstart_prior_preservation.json trains beside the crosses; and the eval prompts:
+data/eval_prompts.quickstart.json (group "concept": crosses the training images do not show;
+group "prior": scenes of the shapes the model knew, which training should not forget) and
+data/eval_prompts.world.json (held-out scenes of the pretraining world, for the pretrained
+model's own prompt accuracy). The files are committed; this script documents how they were made
+and rebuilds them exactly.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ CONCEPT = WorldSettings(shapes=("cross",), two_shape_fraction=0.0)
 SEED = 2024
 CONCEPT_PROMPTS, PRIOR_PROMPTS, WORLD_PROMPTS = 16, 32, 64
 HELD_OUT = 10**6  # world scenes from this seed on were never in the pretraining data
+REG_SEEDS = range(2 * 10**6, 2 * 10**6 + IMAGES)  # known shapes, never in pretraining or eval
 
 
 def main() -> None:
@@ -42,6 +46,12 @@ def main() -> None:
         image, _ = render(scene, *SIZES[index % len(SIZES)])
         image.save(folder / f"shape_{index:02d}.png", optimize=True)
         (folder / f"shape_{index:02d}.txt").write_text(caption(scene) + "\n", encoding="utf-8")
+    reg = folder.parent / "reg"
+    reg.mkdir(exist_ok=True)
+    for seed in REG_SEEDS:
+        scene = scene_for_seed(seed, WorldSettings(two_shape_fraction=0.0))
+        render(scene, 128)[0].save(reg / f"reg_{seed}.png", optimize=True)
+        (reg / f"reg_{seed}.txt").write_text(caption(scene) + "\n", encoding="utf-8")
     concept = [sample_scene(rng, CONCEPT) for _ in range(CONCEPT_PROMPTS)]
     prior = [scene_for_seed(HELD_OUT + index) for index in range(WORLD_PROMPTS)]
     entries = [{"prompt": caption(scene), "seed": index, "group": "concept"} for index, scene in enumerate(concept)]
