@@ -1,7 +1,7 @@
 """The adapter tools' benchmark: adapters extracted from a full fine-tune of the pretrained tiny SDXL,
 and a rank-32 DoRA resized to 8 against one trained at 8.
 
-    python bench/bench_adapters.py            # about 15 minutes on 2 CPU cores
+    python bench/bench_adapters.py            # about 4 minutes on 2 CPU cores
     python bench/bench_adapters.py --smoke    # a minute: checks the code path only
 
 Three quickstart runs (`configs/quickstart.json`, 150 steps, the cross concept): a full fine-tune

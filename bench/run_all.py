@@ -8,7 +8,7 @@ colour the next (--smoke runs them all in this one, to save the start-ups). The 
 model is read from, or built on first use in, SDXL_TRAINER_CACHE (default ~/.cache/sdxl_trainer),
 as the quickstart does; everything else goes to temporary folders that are removed afterwards.
 The GPU benchmark (bench/gpu_sdxl.py) is not run here: it needs a CUDA machine; nor are the memory,
-adapter and quantized-base benchmarks (bench/bench_memory.py, bench/bench_adapters.py: 15 minutes,
+adapter and quantized-base benchmarks (bench/bench_memory.py, bench/bench_adapters.py: 4 minutes,
 three training runs; bench/bench_quantized_base.py), which are run on their own. --smoke runs
 their smoke modes too (the GPU one on the CPU), so that it checks every benchmark's code path.
 """
