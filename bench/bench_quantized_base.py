@@ -3,7 +3,7 @@ time, against the full-precision base.
 
     OMP_NUM_THREADS=1 python bench/bench_quantized_base.py --sections tiny anchors   # about 15 min on 2 cores
     OMP_NUM_THREADS=1 python bench/bench_quantized_base.py --sections block            # about 3 min
-    python bench/bench_quantized_base.py --sections learning                          # about 30 min
+    python bench/bench_quantized_base.py --sections learning                          # about 15 min
     python bench/bench_quantized_base.py --smoke      # the tiny section, full precision and fp8, 1 step
 
 Sections (each a results file):
@@ -16,8 +16,8 @@ Sections (each a results file):
   rank 16, fp32 compute, on each base: CPU time of forward + backward, the bases taking turns.
 - `quantized_base_anchors`: CUDA plans at 1024², batch 1, bf16 autocast, gradient checkpointing,
   cached latents and text, 8-bit AdamW, DoRA rank 16 on the UNet, for each base (target: 6 GB).
-- `quantized_base_learning`: the learning benchmark's quickstart run (bench/bench_learning.py: DoRA
-  rank 4 teaching the pretrained tiny model a new shape, 150 steps, the shapes judge) on the
+- `quantized_base_learning`: the learning benchmark's quickstart run (bench/bench_learning.py: the
+  quickstart teaching the pretrained tiny model a new shape, its steps, the shapes judge) on the
   full-precision base, an fp8 one and an NF4 one, concept and prior accuracy side by side.
 """
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import json
 import sys
 import tempfile
 import time
@@ -35,7 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import bench_args, write_results
+from bench.common import QUICKSTART, bench_args, write_results
 
 SDXL = "stabilityai/stable-diffusion-xl-base-1.0"  # not downloaded: planned with SDXL base 1.0's shapes
 BASES = ("none", "float8_e4m3fn", "int8", "nf4")
@@ -174,13 +175,16 @@ def anchor_rows() -> list[dict[str, Any]]:
 
 def learning_rows(bases: list[str]) -> list[dict[str, Any]]:
     """The learning benchmark's quickstart run on each base (its own runs, side by side)."""
-    from bench.bench_learning import row_of, train
+    from bench.bench_learning import EVALS, row_of, train
 
+    quickstart = json.loads(QUICKSTART.read_text(encoding="utf-8"))
+    steps, rank = quickstart["training"]["num_steps"], quickstart["adapter"]["rank"]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for base in bases:
-            result = train(f"quickstart {base}", {"model.base_quantization": base}, Path(tmp), 150)
-            rows.append({"base": base} | row_of(f"DoRA rank 4, {base} base", result["evals"]))
+            settings = {"model.base_quantization": base, "eval.live.every_n_steps": steps // EVALS}
+            result = train(f"quickstart {base}", settings, Path(tmp), steps, smoke=False)
+            rows.append({"base": base} | row_of(f"DoRA rank {rank}, {base} base", result["evals"]))
             print(rows[-1], flush=True)
     return rows
 
@@ -198,9 +202,10 @@ NOTES = {
     "anchors": "CUDA plans, SDXL at 1024x1024, batch 1, bf16 autocast, gradient checkpointing, cached latents and text "
                "(bigG off the GPU during steps), 8-bit AdamW, DoRA rank 16 on the UNet (attn-mlp), eval off; "
                "plan_seconds: the plan's time on this 2-core CPU while other jobs ran.",
-    "learning": "The quickstart (configs/quickstart.json: DoRA rank 4 on the UNet and CLIP-L, fp32, 150 steps, "
-                "batch 2) with model.base_quantization set, the learning benchmark's eval (bench/bench_learning.py): "
-                "concept accuracy over 16 prompts at each live eval and at the end, prior accuracy over 32.",
+    "learning": "The quickstart (configs/quickstart.json: DoRA rank 8 on every UNet layer, text encoders frozen, "
+                "fp32, 600 steps, batch 2 at 128x128) with model.base_quantization set, the learning benchmark's eval "
+                "(bench/bench_learning.py): concept accuracy over 16 prompts at each live eval and at the end, prior "
+                "accuracy over 32.",
 }
 
 
