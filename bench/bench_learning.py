@@ -94,11 +94,16 @@ def without_image_dir(folder: Path) -> Path:
     return path
 
 
+def eval_every(steps: int) -> int:
+    """The live-eval interval of a run of `steps`: EVALS evals after the one at step 0."""
+    return max(1, steps // EVALS)
+
+
 def train(name: str, overrides: dict[str, Any], work: Path, steps: int, smoke: bool) -> dict[str, Any]:
     """One quickstart run with `overrides` (--smoke: in this process); the eval entries of its run summary."""
     settings = {"run.output_root": str(work / "runs"), "run.name": "run" + "".join(c for c in name if c.isalnum()),
                 "training.num_steps": steps, "training.checkpoint_every": 10**6,
-                "training.tensorboard.enabled": False,
+                "training.tensorboard.enabled": False, "eval.live.every_n_steps": eval_every(steps),
                 "eval.live.at_start": True, "data.latent_cache.cache_dir": str(work / "latents"),
                 "data.text_cache.cache_dir": str(work / "text"), "data.scan_cache_dir": str(work / "scan"),
                 "export.save_single_file": False, **overrides}
@@ -147,13 +152,14 @@ def main(argv: list[str] | None = None) -> None:
     rows, pictures = [], []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        every = 2 if args.smoke else max(1, steps // EVALS)
-        smoke = {"eval.num_inference_steps": 1, "eval.prompts_path": str(smoke_prompts(work))} if args.smoke else {}
+        every = 2 if args.smoke else eval_every(steps)
+        smoke = {"eval.num_inference_steps": 1, "eval.live.every_n_steps": every,
+                 "eval.prompts_path": str(smoke_prompts(work))} if args.smoke else {}
         for name, overrides in runs.items():
             if name.startswith("DoRA + prior"):
                 overrides = {**overrides, "data.subsets": [{"image_dir": str(ROOT / "data" / "images")},
                                                            {"image_dir": str(REG), "is_reg": True}]}
-            settings = {"eval.live.every_n_steps": every, **overrides, **smoke}
+            settings = {**overrides, **smoke}
             if "textual_inversion.tokens" in overrides:
                 prompts = Path(smoke.get("eval.prompts_path", ROOT / "data" / "eval_prompts.quickstart.json"))
                 settings["eval.prompts_path"] = str(token_prompts(prompts, work))

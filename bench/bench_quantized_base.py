@@ -175,15 +175,14 @@ def anchor_rows() -> list[dict[str, Any]]:
 
 def learning_rows(bases: list[str]) -> list[dict[str, Any]]:
     """The learning benchmark's quickstart run on each base (its own runs, side by side)."""
-    from bench.bench_learning import EVALS, row_of, train
+    from bench.bench_learning import row_of, train
 
     quickstart = json.loads(QUICKSTART.read_text(encoding="utf-8"))
     steps, rank = quickstart["training"]["num_steps"], quickstart["adapter"]["rank"]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for base in bases:
-            settings = {"model.base_quantization": base, "eval.live.every_n_steps": steps // EVALS}
-            result = train(f"quickstart {base}", settings, Path(tmp), steps, smoke=False)
+            result = train(f"quickstart {base}", {"model.base_quantization": base}, Path(tmp), steps, smoke=False)
             rows.append({"base": base} | row_of(f"DoRA rank {rank}, {base} base", result["evals"]))
             print(rows[-1], flush=True)
     return rows
