@@ -261,6 +261,28 @@ class TensorBoardConfig(Section):
     log_scaler: bool = Field(True, description="Log the AMP grad-scaler scale.")
 
 
+class OutputPreservationConfig(Section):
+    trigger: str | None = Field(
+        None, description="The word of the new concept in the captions (e.g. `cross`, or a trigger word); null = off.")
+    classes: list[str] = Field(
+        default_factory=list, description="Words the model already knows that the trigger must not take over (e.g. "
+        "`square`): each step, the captions holding the trigger are read once more with it replaced by one of "
+        "these (in turn), and the adapted model's prediction for them is pulled to the base model's.")
+    weight: float = Field(1.0, gt=0.0, description="Weight of that preservation loss beside the training loss.")
+
+    @model_validator(mode="after")
+    def _both_or_neither(self) -> OutputPreservationConfig:
+        if self.trigger is not None and not self.trigger.strip():
+            raise _KeyError("training.output_preservation.trigger", "is empty: name the word, or use null (off)")
+        if bool(self.trigger) != bool(self.classes):
+            missing = "classes" if self.trigger else "trigger"
+            raise _KeyError(f"training.output_preservation.{missing}", "is missing: set both trigger and classes "
+                            "(or neither: off)")
+        if self.trigger in self.classes:
+            raise _KeyError("training.output_preservation.classes", f"holds the trigger {self.trigger!r} itself")
+        return self
+
+
 class TrainingConfig(Section):
     output_dir: str = Field("", description="Run output folder (derived from `run` when empty).")
     num_steps: PositiveInt | None = Field(None, description="Stop after this many optimizer steps.")
@@ -331,6 +353,10 @@ class TrainingConfig(Section):
     unmasked_weight: float = Field(
         0.0, ge=0.0, le=1.0, description="Masked loss: the weight of the masked-out part (0 = ignored; e.g. 0.1 "
         "keeps some of the background, as OneTrainer's option of this name).")
+    output_preservation: OutputPreservationConfig = Field(
+        default_factory=OutputPreservationConfig, description="Keep what the base model draws for the words a new "
+        "concept could take over, without regularization images (ai-toolkit's differential output preservation; "
+        "adapters only; docs/training.md).")
 
     @model_validator(mode="after")
     def _recipes_that_can_work(self) -> TrainingConfig:
@@ -792,6 +818,13 @@ class Config(Section):
                     f"(or set model.train_text_encoder_{index} to false)",
                 )
         self._check_textual_inversion()
+        preservation = training.output_preservation
+        trains_adapter = self.adapter.type != "none" and (
+            not self.textual_inversion.tokens or self.textual_inversion.train_adapter)
+        if preservation.trigger and not trains_adapter:
+            why = 'adapter.type is "none"' if self.adapter.type == "none" else "textual inversion trains alone"
+            raise _KeyError("training.output_preservation", "compares the adapted model with the base model (the "
+                            f"same model with its adapter off), so it needs an adapter that trains; here {why}")
         return self
 
     @model_validator(mode="after")

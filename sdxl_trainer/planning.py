@@ -274,8 +274,12 @@ def describe_recipe(config: Config) -> str:
         noise.append(f"multires {training.multires_noise_iterations} x {training.multires_noise_discount:g}")
     if training.ip_noise_gamma:
         noise.append(f"input perturbation {training.ip_noise_gamma:g}")
+    kept = training.output_preservation
+    preservation = (f"\noutput preservation: captions holding {kept.trigger!r} read again as "
+                    f"{' / '.join(map(repr, kept.classes))} (in turn), pulled to the base model's prediction "
+                    f"(weight {kept.weight:g})") if kept.trigger else ""
     return (f"loss: {loss}" + (f", weighted by {' and '.join(weights)}" if weights else "")
-            + f"; timesteps {timesteps}; noise: {', '.join(noise) or 'plain'}")
+            + f"; timesteps {timesteps}; noise: {', '.join(noise) or 'plain'}" + preservation)
 
 
 def make_latent_cache(config: Config, vae_id: str) -> LatentCache:

@@ -44,7 +44,15 @@ from .checkpointing import (
 )
 from .config import Config, ConfigError, DataConfig
 from .data import ImageCaptionDataset, build_latent_cache, collate
-from .diffusion import DrawSettings, LossModels, LossSettings, diffusion_loss, make_noise_scheduler, sample_draws
+from .diffusion import (
+    DrawSettings,
+    LossModels,
+    LossSettings,
+    denoising_step,
+    diffusion_loss,
+    make_noise_scheduler,
+    sample_draws,
+)
 from .distributed import (
     check_finite_everywhere,
     describe_sharding,
@@ -70,6 +78,7 @@ from .nan_guard import ABORT, OK, SKIP, NaNGuard, non_finite_report
 from .notify import end_event, notify
 from .optimizers import apply_configured_settings, averaged_weights, is_schedule_free, make_optimizer
 from .output_folder import OutputLock, remove_leftovers
+from .output_preservation import preservation_loss
 from .outputs import log_memory, log_step, open_tensorboard, save_final, write_summary
 from .planning import RunPlan, make_latent_cache, settle_resume
 from .precision import ENCODERS, audit, cast_trained_parameters, place_pipeline, plan_precision
@@ -487,8 +496,14 @@ def forward_backward(run: Run, batch: dict) -> torch.Tensor:
     tally.batch_paths += batch["paths"]
     tally.batch_timesteps += draws.timesteps.tolist()
     settings = LossSettings.of(training, min_sigma_on=run.position.step >= training.min_sigma_warmup_steps)
+    preservation = training.output_preservation
     with run.accelerator.accumulate(*run.prepared), run.autocast:
-        loss = diffusion_loss(run.models, run.noise_scheduler, batch, draws, run.device, settings)
+        step = denoising_step(run.models, run.noise_scheduler, batch, draws, run.device, settings)
+        loss = step.loss
+        if preservation.trigger:
+            kept = preservation_loss(run.models, run.noise_scheduler, batch, step, settings, preservation,
+                                     run.position.step, list(run.trainable.modules.values()))
+            loss = loss if kept is None else loss + kept
         if not loss.requires_grad:
             loss = loss + zero_gradient_term(run.trainable)
         run.accelerator.backward(run.scaler.scale(loss))

@@ -157,13 +157,16 @@ def build_text_cache(cache: TextCache, texts: list[str], pipe, device, autocast)
 
 
 def run_texts(config: Config, data_plan: DatasetPlan, seed: int, zero_empty: bool) -> list[str]:
-    """Every caption text the run can encode; with `zero_empty` not the empty one (its embedding is zero)."""
+    """Every caption text the run can encode (with output preservation, also the captions it reads
+    with a class word); with `zero_empty` not the empty one (its embedding is zero)."""
     from .captions import possible_captions
+    from .output_preservation import preserved_texts
 
     # Each image with its own folder's caption options; once per (caption, folder), not per repeat.
     pairs = {(sample.record.caption, id(sample.folder)): (sample.record.caption, sample.folder)
              for sample in data_plan.samples + data_plan.validation}
     texts = possible_captions(pairs.values(), seed)
+    texts |= preserved_texts(texts, config.training.output_preservation)
     if zero_empty:
         texts.discard("")
     return sorted(text for text in texts if not holds_new_token(config, text))
