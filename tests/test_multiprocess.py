@@ -32,6 +32,7 @@ from tests.helpers import (
 )
 from tests.test_lycoris_adapters import lycoris_config
 from tests.test_optimizers import NEW_OPTIMIZERS, optimizer_config
+from tests.test_output_preservation import KEPT
 
 pytestmark = pytest.mark.slow  # every test here trains (make test-fast leaves them out)
 
@@ -87,8 +88,9 @@ def two_process_launch(tmp_path_factory: pytest.TempPathFactory,
     """The 2-process runs that need no launch of their own, one after another in the same two
     processes (forked from this one, as `accelerate launch` starts them: helpers.launch_forked):
     a 6-step run, its resume from the checkpoint at step 3, their
-    twins with fused backward, each optimizer's run and the LoKr run. Each run's folder and result."""
-    names = ("ddp", "resumed", "fused", "fused_resumed", *NEW_OPTIMIZERS, "lokr")
+    twins with fused backward, each optimizer's run, the LoKr run and one with output preservation.
+    Each run's folder and result."""
+    names = ("ddp", "resumed", "fused", "fused_resumed", *NEW_OPTIMIZERS, "lokr", "preserved")
     folders = {name: tmp_path_factory.mktemp(name) for name in names}
     straight = ddp_config(folders["ddp"], fused=False)
     checkpoint = folders["ddp"] / "out" / "test_run" / "checkpoints" / "checkpoint-3"
@@ -97,7 +99,8 @@ def two_process_launch(tmp_path_factory: pytest.TempPathFactory,
                "fused": ddp_config(folders["fused"], fused=True),
                "fused_resumed": ddp_config(folders["fused_resumed"], fused=True, resume_from=str(fused_checkpoint)),
                **{kind: optimizer_run_config(folders[kind], kind) for kind in NEW_OPTIMIZERS},
-               "lokr": lokr_ema_config(folders["lokr"])}
+               "lokr": lokr_ema_config(folders["lokr"]),
+               "preserved": config_for(folders["preserved"], 1, num_steps=4, output_preservation=KEPT)}
     runs = {name: train_args(write_config(folders[name] / "c.json", config)) for name, config in configs.items()}
     results = accelerate_launch_runs(LAUNCH_TWO, runs, folders["ddp"] / "results", forked=True)
     return {name: (folders[name], results[name]) for name in runs}
@@ -171,6 +174,17 @@ def test_lokr_with_ema_and_live_eval_keeps_two_processes_identical(
     output = tmp_path / "out" / "test_run"
     assert sorted(p.name for p in (output / "eval" / "live" / "step_2").iterdir())[-1] == "grid.png"
     assert not list(output.rglob("*_INVALID.png"))
+
+
+def test_output_preservation_keeps_two_processes_identical(
+        two_process_launch: dict[str, tuple[Path, subprocess.CompletedProcess]]) -> None:
+    """The preservation pass runs the DDP-wrapped UNet a second and third time in a step (once
+    without gradients, its adapters off): each rank's gradient from it must still be all-reduced,
+    or the ranks, each with its own image, would drift apart."""
+    result = two_process_launch["preserved"][1]
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "output preservation: captions holding 'cross'" in result.stdout
+    assert "2 processes held identical weights at all 4 checks" in result.stdout
 
 
 def test_ctrl_c_under_accelerate_launch_saves_a_checkpoint_that_two_processes_resume(tmp_path: Path,
