@@ -6,9 +6,9 @@ draws for nearby words: the tiny model reads the unseen word "cross" almost as i
 after the quickstart its squares grow arms. Prior preservation answers with regularization images,
 which take half of every epoch. Here, as in ai-toolkit's differential output preservation, each step
 reads the batch's captions that hold the trigger once more with it replaced by a class word ("a red
-square, blue background"), on the same noisy latents and timesteps, and adds the training loss
-between the adapted model's prediction for them and the base model's, which is the same model with
-its adapters off (run without gradients). The class word cycles through
+square, blue background"), on the same noisy latents and timesteps, and adds the mean squared
+difference between the adapted model's prediction for them and the base model's, which is the same
+model with its adapters off (run without gradients). The class word cycles through
 `training.output_preservation.classes` by step, so a resumed run reads the same words.
 """
 
@@ -22,7 +22,7 @@ import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 
 from .config import OutputPreservationConfig
-from .diffusion import DenoisingStep, LossModels, LossSettings, conditioning, sample_losses
+from .diffusion import DenoisingStep, LossModels, conditioning
 
 
 def preserved_caption(caption: str, trigger: str, word: str) -> str | None:
@@ -62,23 +62,21 @@ def adapters_off(modules: Iterable[torch.nn.Module]) -> Iterator[None]:
             parameter.requires_grad_(flag)
 
 
-def preservation_loss(models: LossModels, scheduler, batch: dict, step: DenoisingStep, settings: LossSettings,
-                      preservation: OutputPreservationConfig, optimizer_step: int,
-                      adapted: list[torch.nn.Module]) -> torch.Tensor | None:
-    """The preservation loss of one batch, scaled as a share of the batch's mean loss (samples
-    without the trigger add nothing); None when no caption holds the trigger."""
+def preservation_loss(models: LossModels, batch: dict, step: DenoisingStep, preservation: OutputPreservationConfig,
+                      optimizer_step: int, adapted: list[torch.nn.Module]) -> torch.Tensor:
+    """The preservation loss of one batch: each preserved sample's mean squared difference from the
+    base model's prediction (unweighted, as ai-toolkit's), summed and divided by the batch size.
+    A caption without the trigger is read as it is and counts zero: every process of a DDP run then
+    runs the same passes, whatever its captions (the encoders' forward syncs buffers across them)."""
     word = class_word(preservation, optimizer_step)
-    captions = [preserved_caption(caption, preservation.trigger, word) for caption in batch["captions"]]
-    rows = [index for index, caption in enumerate(captions) if caption is not None]
-    if not rows:
-        return None
-    device = step.noisy_latents.device
-    chosen = torch.tensor(rows, device=device)
-    sizes = {key: batch[key][rows] for key in ("original_sizes", "crops_top_left", "target_sizes")}
-    classes = {"captions": [captions[index] for index in rows], **sizes}
-    noisy, timesteps = step.noisy_latents[chosen], step.timesteps[chosen]
+    preserved = [preserved_caption(caption, preservation.trigger, word) for caption in batch["captions"]]
+    captions = [caption if kept is None else kept for caption, kept in zip(batch["captions"], preserved, strict=True)]
+    device, noisy, timesteps = step.noisy_latents.device, step.noisy_latents, step.timesteps
+    counts = torch.tensor([float(kept is not None) for kept in preserved], device=device)
+    sizes = {key: batch[key] for key in ("original_sizes", "crops_top_left", "target_sizes")}
+    classes = {"captions": captions, **sizes}
     with torch.no_grad(), adapters_off(adapted):
         target = models.unet(noisy, timesteps, **conditioning(models, classes, device)).sample.float()
-    prediction = models.unet(noisy, timesteps, **conditioning(models, classes, device)).sample
-    _, weighted = sample_losses(scheduler, prediction, target, timesteps, settings)
-    return preservation.weight * weighted.sum() / len(batch["captions"])
+    prediction = models.unet(noisy, timesteps, **conditioning(models, classes, device)).sample.float()
+    per_sample = (prediction - target).square().mean(dim=tuple(range(1, prediction.dim())))
+    return preservation.weight * (per_sample * counts).sum() / len(captions)

@@ -501,9 +501,8 @@ def forward_backward(run: Run, batch: dict) -> torch.Tensor:
         step = denoising_step(run.models, run.noise_scheduler, batch, draws, run.device, settings)
         loss = step.loss
         if preservation.trigger:
-            kept = preservation_loss(run.models, run.noise_scheduler, batch, step, settings, preservation,
-                                     run.position.step, list(run.trainable.modules.values()))
-            loss = loss if kept is None else loss + kept
+            loss = loss + preservation_loss(run.models, batch, step, preservation, run.position.step,
+                                            list(run.trainable.modules.values()))
         if not loss.requires_grad:
             loss = loss + zero_gradient_term(run.trainable)
         run.accelerator.backward(run.scaler.scale(loss))
