@@ -62,12 +62,15 @@ def adapters_off(modules: Iterable[torch.nn.Module]) -> Iterator[None]:
             parameter.requires_grad_(flag)
 
 
-def preservation_loss(models: LossModels, batch: dict, step: DenoisingStep, preservation: OutputPreservationConfig,
-                      optimizer_step: int, adapted: list[torch.nn.Module]) -> torch.Tensor:
-    """The preservation loss of one batch: each preserved sample's mean squared difference from the
-    base model's prediction (unweighted, as ai-toolkit's), summed and divided by the batch size.
-    A caption without the trigger is read as it is and counts zero: every process of a DDP run then
-    runs the same passes, whatever its captions (the encoders' forward syncs buffers across them)."""
+def training_loss(models: LossModels, batch: dict, step: DenoisingStep, preservation: OutputPreservationConfig,
+                  optimizer_step: int, adapted: list[torch.nn.Module]) -> torch.Tensor:
+    """The loss a training step backpropagates: the denoising `step`'s, plus, with output
+    preservation on, each preserved sample's mean squared difference from the base model's
+    prediction (unweighted, as ai-toolkit's), summed and divided by the batch size. A caption
+    without the trigger is read as it is and counts zero, so every process of a DDP run runs the
+    same passes whatever its captions (a DDP module's forward broadcasts its buffers to the others)."""
+    if not preservation.trigger:
+        return step.loss
     word = class_word(preservation, optimizer_step)
     preserved = [preserved_caption(caption, preservation.trigger, word) for caption in batch["captions"]]
     captions = [caption if kept is None else kept for caption, kept in zip(batch["captions"], preserved, strict=True)]
@@ -79,4 +82,4 @@ def preservation_loss(models: LossModels, batch: dict, step: DenoisingStep, pres
         target = models.unet(noisy, timesteps, **conditioning(models, classes, device)).sample.float()
     prediction = models.unet(noisy, timesteps, **conditioning(models, classes, device)).sample.float()
     per_sample = (prediction - target).square().mean(dim=tuple(range(1, prediction.dim())))
-    return preservation.weight * (per_sample * counts).sum() / len(captions)
+    return step.loss + preservation.weight * (per_sample * counts).sum() / len(captions)

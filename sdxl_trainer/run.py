@@ -78,7 +78,7 @@ from .nan_guard import ABORT, OK, SKIP, NaNGuard, non_finite_report
 from .notify import end_event, notify
 from .optimizers import apply_configured_settings, averaged_weights, is_schedule_free, make_optimizer
 from .output_folder import OutputLock, remove_leftovers
-from .output_preservation import preservation_loss
+from .output_preservation import training_loss
 from .outputs import log_memory, log_step, open_tensorboard, save_final, write_summary
 from .planning import RunPlan, make_latent_cache, settle_resume
 from .precision import ENCODERS, audit, cast_trained_parameters, place_pipeline, plan_precision
@@ -496,13 +496,10 @@ def forward_backward(run: Run, batch: dict) -> torch.Tensor:
     tally.batch_paths += batch["paths"]
     tally.batch_timesteps += draws.timesteps.tolist()
     settings = LossSettings.of(training, min_sigma_on=run.position.step >= training.min_sigma_warmup_steps)
-    preservation = training.output_preservation
     with run.accelerator.accumulate(*run.prepared), run.autocast:
         step = denoising_step(run.models, run.noise_scheduler, batch, draws, run.device, settings)
-        loss = step.loss
-        if preservation.trigger:
-            loss = loss + preservation_loss(run.models, batch, step, preservation, run.position.step,
-                                            list(run.trainable.modules.values()))
+        loss = training_loss(run.models, batch, step, training.output_preservation, run.position.step,
+                             list(run.trainable.modules.values()))
         if not loss.requires_grad:
             loss = loss + zero_gradient_term(run.trainable)
         run.accelerator.backward(run.scaler.scale(loss))

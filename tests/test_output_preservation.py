@@ -130,3 +130,16 @@ def test_a_preserving_run_says_so_and_resumes_bit_exactly(tmp_path: Path, tiny_s
     assert train_sdxl.main(["--config", str(plain)]) == 0
     other = load_file(tmp_path / "plain" / "out" / "test_run" / "pytorch_lora_weights.safetensors")
     assert any(not torch.equal(other[key], expected[key]) for key in expected)
+
+
+@pytest.mark.slow
+def test_the_memory_plan_counts_the_preservation_passes(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
+    """The step the memory plan traces is the trainer's: with output preservation it holds the
+    activations of a second UNet pass with gradients beside the first's."""
+    from sdxl_trainer.memory.plan import StepShape, plan_memory
+
+    shape = StepShape(2, 64, 64)
+    plain = plan_memory(validate_config(tiny_config(tmp_path)), shape, "cpu")
+    kept = plan_memory(validate_config(tiny_config(tmp_path, training={"output_preservation": KEPT})), shape, "cpu")
+    assert kept.trained == plain.trained and kept.optimizer_state == plain.optimizer_state
+    assert kept.activations > 1.5 * plain.activations, (kept.activations, plain.activations)

@@ -283,10 +283,11 @@ def _trace_training(config: Config, pipe: StableDiffusionXLPipeline, trainable: 
     """The optimizer's first step, on gradients of zeros (it creates the optimizer's state, and its
     temporaries are those of every step), then the forward and backward pass of a later step,
     which has that state, the gradients and the EMA alive beside its activations."""
-    from ..diffusion import DrawSettings, LossModels, LossSettings, diffusion_loss, make_noise_scheduler, sample_draws
+    from ..diffusion import DrawSettings, LossModels, LossSettings, denoising_step, make_noise_scheduler, sample_draws
     from ..ema import EMA
     from ..fused_backward import FusedBackward
     from ..optimizers import is_schedule_free, make_optimizer
+    from ..output_preservation import training_loss
     from ..precision import ENCODERS
 
     params = list(trainable.parameters())
@@ -327,9 +328,11 @@ def _trace_training(config: Config, pipe: StableDiffusionXLPipeline, trainable: 
     batch = _batch(plan.shape, pipe)
     draws = sample_draws(batch["keys"], 1, tuple(batch["latents"].shape),
                          DrawSettings.of(config.training, scheduler.config.num_train_timesteps))
-    with traced.autocast():
-        loss = diffusion_loss(LossModels(pipe, pipe.unet, encoders), scheduler, batch, draws, "meta",
-                              LossSettings.of(config.training, True))
+    models = LossModels(pipe, pipe.unet, encoders)
+    with traced.autocast():  # output preservation's two more UNet passes are part of the step
+        step = denoising_step(models, scheduler, batch, draws, "meta", LossSettings.of(config.training, True))
+        loss = training_loss(models, batch, step, config.training.output_preservation, 0,
+                             list(trainable.modules.values()))
     loss.backward()  # with fused backward, each tensor's step and its gradient's release happen in here
     if fused:
         fused.finish_step()
