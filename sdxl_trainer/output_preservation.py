@@ -76,8 +76,7 @@ def training_loss(models: LossModels, batch: dict, step: DenoisingStep, preserva
     captions = [caption if kept is None else kept for caption, kept in zip(batch["captions"], preserved, strict=True)]
     device, noisy, timesteps = step.noisy_latents.device, step.noisy_latents, step.timesteps
     counts = torch.tensor([float(kept is not None) for kept in preserved], device=device)
-    sizes = {key: batch[key] for key in ("original_sizes", "crops_top_left", "target_sizes")}
-    classes = {"captions": captions, **sizes}
+    classes = dict(batch, captions=captions)  # the same images and size ids, read with the class word
     with torch.no_grad(), adapters_off(adapted):
         target = models.unet(noisy, timesteps, **conditioning(models, classes, device)).sample.float()
     prediction = models.unet(noisy, timesteps, **conditioning(models, classes, device)).sample.float()
