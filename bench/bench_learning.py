@@ -49,6 +49,7 @@ RUNS: dict[str, dict[str, Any]] = {
     "LoHa rank 8": {"adapter.type": "loha"},
     "full fine-tune": {"adapter.type": "none", "training.lr_unet": 1e-4, "export.save_single_file": False},
     "DoRA + prior preservation": {"training.prior_loss_weight": 1.0},  # the reg subset is added in main()
+    "DoRA + output preservation": {"training.output_preservation": {"trigger": "cross", "classes": ["square"]}},
     "DoRA, Prodigy": {"optimizer.type": "prodigy", "training.lr_unet": 1.0},
     "DoRA rank 16": {"adapter.rank": 16, "adapter.alpha": 16},
     "LoRA rank 16": {"adapter.type": "lora", "adapter.rank": 16, "adapter.alpha": 16},

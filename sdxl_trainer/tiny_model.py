@@ -20,7 +20,7 @@ TINY_SDXL = "builtin:tiny-sdxl"
 # Bump when the architecture or the tokenizer below changes: the cache folder is keyed by it.
 TINY_SDXL_VERSION = 2
 # The sha256 of the shipped weights (tools/pretrain_tiny_sdxl.py prints it when it writes them).
-TINY_SDXL_SHA256 = "c5294855a1d357371fbaa7cec32e1cdeec29a6a056f0927f9ff7956e3389694c"
+TINY_SDXL_SHA256 = "5780df27ffe2f4c5fb0655b0970342ccbe0866295620e289941490d8cf0c3d5e"
 
 # Words the tiny tokenizer knows as whole tokens; anything else falls back to single characters.
 _TOKENIZER_WORDS = (

@@ -206,8 +206,8 @@ def world_flow(tiny_sdxl_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 WORLD_SCENES = 8
 # Measured with the shipped weights at 128², timestep 500 (docs/tiny_model.md): the shape word's
-# heat is 35 % inside shapes that cover 19 % of the image (1.85×), the background colour word's 29 %;
-# x0's PSNR is 35.9 / 26.9 / 16.9 dB at timesteps 100 / 500 / 900. Each floor has a margin.
+# heat is 34 % inside shapes that cover 19 % of the image (1.77×), the background colour word's 30 %;
+# x0's PSNR is 36.1 / 26.9 / 16.6 dB at timesteps 100 / 500 / 900. Each floor has a margin.
 SHAPE_HEAT_OVER_AREA = 1.6
 X0_PSNR_AT_LEAST = {100: 32.0, 500: 24.0}
 

@@ -1,6 +1,6 @@
 """Rebuild the pretrained built-in tiny SDXL from nothing: the weights file the package ships.
 
-    python tools/pretrain_tiny_sdxl.py            # all stages, into .cache/pretrain (about 1.5 hours on 2 cores)
+    python tools/pretrain_tiny_sdxl.py            # all stages, into .cache/pretrain (about 1.7 hours on 2 cores)
     python tools/pretrain_tiny_sdxl.py --stage vae
     python tools/pretrain_tiny_sdxl.py --stage vae-ceiling   # the judge on the VAE's reconstructions
 
@@ -16,7 +16,11 @@ Stages, each resumable by running the command again (a stage whose output exists
           (the package shipped this file until 2026-11-27; its sha256 then is STAGE4_SHA256).
 5. unet128: stage 4's weights trained on at 128² (and 192×128, 128×192): the same scenes drawn at
           twice the size, where the 8× VAE carries every kind (docs/tiny_model.md says why).
-6. ship:  stage 5's pipeline as the fp16 file the package ships (sdxl_trainer/weights/), whose
+6. ship128: stage 5's pipeline as one fp16 file, work/tiny_sdxl_128.fp16.safetensors (the package
+          shipped this file until 2026-11-27's guidance stage; its sha256 is STAGE6_SHA256).
+7. guidance: stage 6's weights trained on at 128² with half of the captions dropped: classifier-
+          free guidance then keeps the shapes at CFG 5 and 7 (docs/tiny_model.md has the numbers).
+8. ship:  stage 7's pipeline as the fp16 file the package ships (sdxl_trainer/weights/), whose
           sha256 goes into sdxl_trainer/tiny_model.py.
 
 Deterministic on one machine: the same command with the same number of threads writes the same
@@ -58,15 +62,20 @@ DATA_SIZES = ((64, 64), (64, 64), (64, 64), (64, 64), (96, 64), (64, 96))
 TRAIN_SEEDS = range(0, PRETRAIN_IMAGES)  # held-out world images use seeds from 10**6 on
 HELD_OUT_SEEDS = range(10**6, 10**6 + 256)
 SMOKE_TRAINING = {"training.num_steps": 10}  # --smoke: what the trainer's stages override
-STAGES = ["vae", "data", "unet", "ship64", "unet128", "ship"]
-# Stage 4's file as the machine that built the shipped model wrote it: a rebuild elsewhere may differ
-# (other CPUs round differently); the recipe says so and goes on.
+STAGES = ["vae", "data", "unet", "ship64", "unet128", "ship128", "guidance", "ship"]
+# Stages 4 and 6's files as the machine that built the shipped model wrote them: a rebuild elsewhere
+# may differ (other CPUs round differently); the recipe says so and goes on.
 STAGE4_SHA256 = "0396e8cc3043b2961fead6d0452474f6adfb06cff9df8b935eedb5544d675543"
+STAGE6_SHA256 = "c5294855a1d357371fbaa7cec32e1cdeec29a6a056f0927f9ff7956e3389694c"
 # Stage 5: the same scenes drawn at twice the size. SDXL itself was trained at rising resolutions.
 AT_128 = {"data.size": 128, "data.bucket.resolutions": [[128, 128], [192, 128], [128, 192]],
           "data.bucket.batch_size": 16, "training.num_steps": 6000, "training.lr_unet": 3e-4,
           "training.lr_text_encoder_1": 1.5e-4, "training.lr_text_encoder_2": 1.5e-4,
           "training.lr_scheduler.warmup_steps": 50, "training.checkpoint_every": 600}
+# Stage 7: trained with 10 % of the captions dropped, the model guided at CFG 5 draws squares with
+# pinched sides; a short run dropping half of them trains the unconditional prediction guidance leans on.
+GUIDANCE = {**AT_128, "training.num_steps": 1500, "training.lr_unet": 2e-4, "training.lr_text_encoder_1": 1e-4,
+            "training.lr_text_encoder_2": 1e-4, "data.caption_dropout_prob": 0.5}
 
 
 def world_batch(rng: random.Random, count: int, crop: int) -> torch.Tensor:
@@ -237,15 +246,22 @@ def ship(trained: Path, target: Path) -> str:
     return digest
 
 
-def continue_at_128(work: Path, at_64: Path, smoke: bool) -> None:
-    """Stage 5: stage 4's weights (the file `at_64`) trained on at 128² (and 192×128, 128×192)."""
+def continue_at_128(work: Path, weights: Path, stage: str, settings: dict[str, Any], smoke: bool) -> None:
+    """Stages 5 and 7: the fp16 file `weights` trained on at 128² (and 192×128, 128×192) as run `stage`."""
     data_dir = work / "world-128"
     if not data_dir.is_dir():
         write_data(data_dir, 96 if smoke else PRETRAIN_IMAGES, scale=2)
-    start = saved_pipeline(work / "stage5-init", lambda: tiny_sdxl_from_weights(at_64))
-    train_unet(work, start, "tiny-sdxl-128",
-               {**AT_128, "data.image_dir": str(data_dir), "data.latent_cache.cache_dir": str(work / "latents-128"),
+    start = saved_pipeline(work / f"{stage}-init", lambda: tiny_sdxl_from_weights(weights))
+    train_unet(work, start, stage,
+               {**settings, "data.image_dir": str(data_dir), "data.latent_cache.cache_dir": str(work / "latents-128"),
                 "data.scan_cache_dir": str(work / "scan-128"), **(SMOKE_TRAINING if smoke else {})})
+
+
+def ship_checked(trained: Path, target: Path, expected: str) -> None:
+    """`ship`, with a note when the file differs from the one the shipped model was trained from."""
+    if ship(trained, target) != expected:
+        print(f"note: {target.name} differs from the file the shipped model was trained from ({expected}): "
+              "a smoke run, another machine or another number of threads")
 
 
 def main() -> None:
@@ -259,7 +275,7 @@ def main() -> None:
     work = args.work or (SMOKE_WORK if args.smoke else WORK)
     torch.use_deterministic_algorithms(True)
     vae_dir, data_dir, runs = work / "stage1-vae", work / "world-64", work / "runs"
-    at_64 = work / "tiny_sdxl_64.fp16.safetensors"
+    at_64, at_128 = work / "tiny_sdxl_64.fp16.safetensors", work / "tiny_sdxl_128.fp16.safetensors"
     stages = STAGES if args.stage == "all" else [args.stage]
     if "vae" in stages and not vae_dir.is_dir():
         train_vae(vae_dir, 20 if args.smoke else VAE_STEPS)
@@ -270,14 +286,17 @@ def main() -> None:
     if "unet" in stages and not (runs / "tiny-sdxl" / "model_index.json").is_file():
         start = saved_pipeline(work / "stage3-init", lambda: initial_pipeline(work))
         train_unet(work, start, "tiny-sdxl", SMOKE_TRAINING if args.smoke else {})
-    if "ship64" in stages and not at_64.is_file() and ship(runs / "tiny-sdxl", at_64) != STAGE4_SHA256:
-        print(f"note: stage 4 differs from the file the shipped model was trained from ({STAGE4_SHA256}): "
-              "a smoke run, another machine or another number of threads")
-    if "unet128" in stages and not (runs / "tiny-sdxl-128" / "model_index.json").is_file():
-        continue_at_128(work, at_64, args.smoke)
+    if "ship64" in stages and not at_64.is_file():
+        ship_checked(runs / "tiny-sdxl", at_64, STAGE4_SHA256)
+    if "unet128" in stages and not (runs / "stage5" / "model_index.json").is_file():
+        continue_at_128(work, at_64, "stage5", AT_128, args.smoke)
+    if "ship128" in stages and not at_128.is_file():
+        ship_checked(runs / "stage5", at_128, STAGE6_SHA256)
+    if "guidance" in stages and not (runs / "stage7" / "model_index.json").is_file():
+        continue_at_128(work, at_128, "stage7", GUIDANCE, args.smoke)
     if "ship" in stages:
         target = work / "tiny_sdxl.fp16.safetensors" if args.smoke else shipped_weights_path()
-        ship(runs / "tiny-sdxl-128", target)
+        ship(runs / "stage7", target)
         if not args.smoke:
             print("put this sha256 into sdxl_trainer/tiny_model.py (TINY_SDXL_SHA256)")
 
