@@ -1,6 +1,6 @@
 """Rebuild the pretrained built-in tiny SDXL from nothing: the weights file the package ships.
 
-    python tools/pretrain_tiny_sdxl.py            # all stages, into .cache/pretrain (about 1.7 hours on 2 cores)
+    python tools/pretrain_tiny_sdxl.py            # all stages, into .cache/pretrain (about 1 h 35 min on 2 cores)
     python tools/pretrain_tiny_sdxl.py --stage vae
     python tools/pretrain_tiny_sdxl.py --stage vae-ceiling   # the judge on the VAE's reconstructions
 
@@ -246,13 +246,13 @@ def ship(trained: Path, target: Path) -> str:
     return digest
 
 
-def continue_at_128(work: Path, weights: Path, stage: str, settings: dict[str, Any], smoke: bool) -> None:
-    """Stages 5 and 7: the fp16 file `weights` trained on at 128² (and 192×128, 128×192) as run `stage`."""
+def continue_at_128(work: Path, weights: Path, run: str, settings: dict[str, Any], smoke: bool) -> None:
+    """Stages 5 and 7: the fp16 file `weights` trained on at 128² (and 192×128, 128×192) as run `run`."""
     data_dir = work / "world-128"
     if not data_dir.is_dir():
         write_data(data_dir, 96 if smoke else PRETRAIN_IMAGES, scale=2)
-    start = saved_pipeline(work / f"{stage}-init", lambda: tiny_sdxl_from_weights(weights))
-    train_unet(work, start, stage,
+    start = saved_pipeline(work / f"{run}-init", lambda: tiny_sdxl_from_weights(weights))
+    train_unet(work, start, run,
                {**settings, "data.image_dir": str(data_dir), "data.latent_cache.cache_dir": str(work / "latents-128"),
                 "data.scan_cache_dir": str(work / "scan-128"), **(SMOKE_TRAINING if smoke else {})})
 
@@ -288,15 +288,16 @@ def main() -> None:
         train_unet(work, start, "tiny-sdxl", SMOKE_TRAINING if args.smoke else {})
     if "ship64" in stages and not at_64.is_file():
         ship_checked(runs / "tiny-sdxl", at_64, STAGE4_SHA256)
-    if "unet128" in stages and not (runs / "stage5" / "model_index.json").is_file():
-        continue_at_128(work, at_64, "stage5", AT_128, args.smoke)
+    # Stage 5's run keeps its name from before the guidance stage, so a work folder that has it is reused.
+    if "unet128" in stages and not (runs / "tiny-sdxl-128" / "model_index.json").is_file():
+        continue_at_128(work, at_64, "tiny-sdxl-128", AT_128, args.smoke)
     if "ship128" in stages and not at_128.is_file():
-        ship_checked(runs / "stage5", at_128, STAGE6_SHA256)
-    if "guidance" in stages and not (runs / "stage7" / "model_index.json").is_file():
-        continue_at_128(work, at_128, "stage7", GUIDANCE, args.smoke)
+        ship_checked(runs / "tiny-sdxl-128", at_128, STAGE6_SHA256)
+    if "guidance" in stages and not (runs / "tiny-sdxl-guidance" / "model_index.json").is_file():
+        continue_at_128(work, at_128, "tiny-sdxl-guidance", GUIDANCE, args.smoke)
     if "ship" in stages:
         target = work / "tiny_sdxl.fp16.safetensors" if args.smoke else shipped_weights_path()
-        ship(runs / "stage7", target)
+        ship(runs / "tiny-sdxl-guidance", target)
         if not args.smoke:
             print("put this sha256 into sdxl_trainer/tiny_model.py (TINY_SDXL_SHA256)")
 
