@@ -8,8 +8,9 @@ colour the next (--smoke runs them all in this one, to save the start-ups). The 
 model is read from, or built on first use in, SDXL_TRAINER_CACHE (default ~/.cache/sdxl_trainer),
 as the quickstart does; everything else goes to temporary folders that are removed afterwards.
 The GPU benchmark (bench/gpu_sdxl.py) is not run here: it needs a CUDA machine; nor are the memory,
-adapter and quantized-base benchmarks (bench/bench_memory.py, bench/bench_adapters.py: 4 minutes,
-three training runs; bench/bench_quantized_base.py), which are run on their own. --smoke runs
+adapter, quantized-base and seed benchmarks (bench/bench_memory.py, bench/bench_adapters.py: 4 minutes,
+three training runs; bench/bench_quantized_base.py; bench/bench_seeds.py: the quickstart at five
+seeds), which are run on their own. --smoke runs
 their smoke modes too (the GPU one on the CPU), so that it checks every benchmark's code path.
 """
 
@@ -30,8 +31,10 @@ from bench.common import BENCH, bench_args, quiet_env
 
 BENCHMARKS = ("bench_step", "bench_text_cache", "bench_dora", "bench_data", "bench_convert", "bench_startup",
               "bench_pretrained", "bench_learning", "bench_fused")
-# --smoke only (each with its own options): on the CPU the GPU benchmark's MFU needs a stated peak.
-SMOKE_ONLY = {"bench_memory": [], "bench_adapters": [], "bench_quantized_base": [], "gpu_sdxl": ["--peak-tflops", "1"]}
+# --smoke only (each with its own options): on the CPU the GPU benchmark's MFU needs a stated peak;
+# the seed benchmark gets an override, so that the smoke run shows it reaches every run.
+SMOKE_ONLY = {"bench_memory": [], "bench_adapters": [], "bench_quantized_base": [],
+              "bench_seeds": ["--set", "eval.cfg_scale=2"], "gpu_sdxl": ["--peak-tflops", "1"]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -93,6 +93,13 @@ def test_cpu_benchmarks_smoke(results: Path) -> None:
         assert all(0.0 <= row[key] <= 1.0 for key in row if key != "method")
     assert (results / "learning_grid.png").stat().st_size > 1000
 
+    seeds = rows_of(results / "seeds_smoke.json")  # two seeds, then their mean, lowest and highest
+    assert [row["seed"] for row in seeds] == [42, 43, "mean", "lowest", "highest"]
+    for group in ("concept", "prior"):
+        values = [row[group] for row in seeds[:2]]
+        assert [row[group] for row in seeds[2:]] == [sum(values) / 2, min(values), max(values)]
+    assert "each seed, with eval.cfg_scale=2;" in json.loads((results / "seeds_smoke.json").read_text())["notes"]
+
     for row in rows_of(results / "fused.json"):  # fused backward frees every gradient during backward
         assert_positive(row, "ordinary_s", "fused_s", "time_ratio", "saved_MB")
         assert row["fused_peak_MB"] < row["ordinary_peak_MB"]
@@ -135,3 +142,11 @@ def test_quantized_base_benchmark_smoke(results: Path) -> None:
     assert [row["quantized_layers"] for row in block] == [0, 10, 10, 10]  # 4 + 4 attention, 2 feed-forward
     for row in block:
         assert_positive(row, "ms_per_step", "vs_full_precision")
+
+
+def test_seed_benchmark_refuses_an_override_that_is_not_json() -> None:
+    """`--set KEY=VALUE` takes a JSON value; a bare word is a usage error (exit 2) before any run."""
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_seeds.py"), "--set",
+                             "eval.sampler_name=euler"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "eval.sampler_name=euler" in result.stderr and "JSON value" in result.stderr
