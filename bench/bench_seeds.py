@@ -10,7 +10,8 @@ beside the quickstart: each seed trains the quickstart (its config with the `--s
 values) and evaluates it once at the end; the table gives each seed's concept and prior accuracy,
 then their mean, lowest and highest.
 
-Writes bench/results/seeds.{json,md} (--smoke: seeds_smoke).
+Writes bench/results/seeds.{json,md}; with `--set`, seeds_changed.{json,md} (so the quickstart's own
+table stays); --smoke: seeds_smoke.
 """
 
 from __future__ import annotations
@@ -59,13 +60,16 @@ def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> None:
     args = bench_args(__doc__.splitlines()[0], argv, extra=options)
     seeds = args.seeds[:2] if args.smoke else args.seeds
-    steps = 4 if args.smoke else json.loads(QUICKSTART.read_text(encoding="utf-8"))["training"]["num_steps"]
+    overrides = dict(args.set)
+    quickstart_steps = json.loads(QUICKSTART.read_text(encoding="utf-8"))["training"]["num_steps"]
+    steps = 4 if args.smoke else overrides.get("training.num_steps", quickstart_steps)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        smoke = {"eval.num_inference_steps": 1, "eval.prompts_path": str(smoke_prompts(work))} if args.smoke else {}
+        smoke = {"training.num_steps": steps, "eval.num_inference_steps": 1,
+                 "eval.prompts_path": str(smoke_prompts(work))} if args.smoke else {}
         for seed in seeds:
-            settings = {**dict(args.set), "training.seed": seed, "eval.live.enabled": False, **smoke}
+            settings = {**overrides, "training.seed": seed, "eval.live.enabled": False, **smoke}
             final = next(entry for entry in train(f"seed {seed}", settings, work, steps, args.smoke)["evals"]
                          if entry["tag"] == "final")
             rows.append({"seed": seed, **{group: final["accuracy"][group]["all"] for group in GROUPS}})
@@ -74,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     prompts = "the first of each group" if args.smoke else "16 concept and 32 prior prompts"
     notes = (f"The quickstart ({steps} steps) at each seed, " + (f"with {changed}" if changed else "as it is")
              + f"; accuracy at the end over its {prompts} (the shapes judge).")
-    write_results("seeds_smoke" if args.smoke else "seeds", rows + summary(rows), notes, args.results_dir)
+    name = "seeds_smoke" if args.smoke else "seeds_changed" if args.set else "seeds"
+    write_results(name, rows + summary(rows), notes, args.results_dir)
 
 
 if __name__ == "__main__":
