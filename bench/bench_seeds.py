@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
             rows.append({"seed": seed, **{group: final["accuracy"][group]["all"] for group in GROUPS}})
             print(f"seed {seed}: {rows[-1]}", flush=True)
     changed = ", ".join(f"{key}={json.dumps(value)}" for key, value in args.set)
-    prompts = "the first of each group" if args.smoke else "16 concept and 32 prior prompts"
+    prompts = "first prompt of each group" if args.smoke else "16 concept and 32 prior prompts"
     notes = (f"The quickstart ({steps} steps) at each seed, " + (f"with {changed}" if changed else "as it is")
              + f"; accuracy at the end over its {prompts} (the shapes judge).")
     name = "seeds_smoke" if args.smoke else "seeds_changed" if args.set else "seeds"
