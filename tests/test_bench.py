@@ -150,3 +150,14 @@ def test_seed_benchmark_refuses_an_override_that_is_not_json() -> None:
                              "eval.sampler_name=euler"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "eval.sampler_name=euler" in result.stderr and "JSON value" in result.stderr
+
+
+def test_seed_benchmark_summary_is_the_mean_lowest_and_highest_of_each_group() -> None:
+    """The smoke run's two seeds may well score alike; here each statistic has its own answer."""
+    from bench.bench_seeds import summary
+
+    rows = [{"seed": 1, "concept": 0.0, "prior": 1.0}, {"seed": 2, "concept": 0.75, "prior": 0.25},
+            {"seed": 3, "concept": 0.0, "prior": 1.0}]  # means differ from medians (0, 1)
+    assert summary(rows) == [{"seed": "mean", "concept": 0.25, "prior": 0.75},
+                             {"seed": "lowest", "concept": 0.0, "prior": 0.25},
+                             {"seed": "highest", "concept": 0.75, "prior": 1.0}]
