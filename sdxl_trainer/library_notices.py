@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 
-# logger name → the start of the message it emits that is dropped
+# logger name → words of the one message of it that is dropped (the wording it logs, not its arguments)
 SILENCED = {
     "transformers.utils.import_utils": "requires torchvision (not installed); falling back to",
     "bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward from kernels-community",
