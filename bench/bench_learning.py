@@ -85,11 +85,11 @@ def token_prompts(prompts_path: Path, folder: Path) -> Path:
     return path
 
 
-def without_image_dir(folder: Path) -> Path:
-    """The quickstart's config without `data.image_dir`, written to `folder`: a run with
-    `data.subsets` names each subset's folder instead (setting both is a config error)."""
-    config = json.loads(QUICKSTART.read_text(encoding="utf-8"))
-    del config["data"]["image_dir"]
+def without_image_dir(folder: Path, config_path: Path = QUICKSTART) -> Path:
+    """`config_path` without `data.image_dir`, written to `folder`: a run with `data.subsets`
+    names each subset's folder instead (setting both is a config error)."""
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    config["data"].pop("image_dir", None)
     path = folder / "quickstart_subsets.json"
     path.write_text(json.dumps(config), encoding="utf-8")
     return path
@@ -100,15 +100,18 @@ def eval_every(steps: int) -> int:
     return max(1, steps // EVALS)
 
 
-def train(name: str, overrides: dict[str, Any], work: Path, steps: int, smoke: bool) -> dict[str, Any]:
-    """One quickstart run with `overrides` (--smoke: in this process); the eval entries of its run summary."""
+def train(name: str, overrides: dict[str, Any], work: Path, steps: int, smoke: bool,
+          config: Path = QUICKSTART) -> dict[str, Any]:
+    """One run of `config` (the quickstart's) with `overrides` (--smoke: in this process); the eval
+    entries of its run summary."""
     settings = {"run.output_root": str(work / "runs"), "run.name": "run" + "".join(c for c in name if c.isalnum()),
                 "training.num_steps": steps, "training.checkpoint_every": 10**6,
                 "training.tensorboard.enabled": False, "eval.live.every_n_steps": eval_every(steps),
                 "eval.live.at_start": True, "data.latent_cache.cache_dir": str(work / "latents"),
                 "data.text_cache.cache_dir": str(work / "text"), "data.scan_cache_dir": str(work / "scan"),
                 "export.save_single_file": False, **overrides}
-    config = without_image_dir(work) if "data.subsets" in overrides else QUICKSTART
+    if "data.subsets" in overrides:
+        config = without_image_dir(work, config)
     train_quickstart(name, settings, in_process=smoke, config=config)
     output = work / "runs" / settings["run.name"]
     return {"evals": json.loads((output / "run_summary.json").read_text())["eval"], "output": output}

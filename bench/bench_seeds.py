@@ -2,16 +2,17 @@
 
     python bench/bench_seeds.py                                   # seeds 42-46: about 15 minutes on 2 CPU cores
     python bench/bench_seeds.py --set training.min_timestep=400   # a change, over the same seeds
+    python bench/bench_seeds.py --config configs/quickstart_prior_preservation.json   # another recipe
     python bench/bench_seeds.py --smoke                           # seconds: checks the code path only
 
 Every row of bench/bench_learning.py is one run at one seed, and the quickstart's crosses move by
 several of 16 from one seed to the next. Before calling a change to the recipe better, run it here
-beside the quickstart: each seed trains the quickstart (its config with the `--set` overrides, JSON
-values) and evaluates it once at the end; the table gives each seed's concept and prior accuracy,
-then their mean, lowest and highest.
+beside the quickstart: each seed trains the quickstart (its config, or `--config`, with the `--set`
+overrides, JSON values) and evaluates it once at the end; the table gives each seed's concept and
+prior accuracy, then their mean, lowest and highest.
 
 Writes bench/results/seeds.{json,md}; with `--set`, seeds_changed.{json,md} (so the quickstart's own
-table stays); --smoke: seeds_smoke.
+table stays); with `--config`, seeds_<config's name>; --smoke: seeds_smoke.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def override(text: str) -> tuple[str, Any]:
 
 def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=SEEDS, help=f"training seeds (default {SEEDS})")
+    parser.add_argument("--config", type=Path, default=QUICKSTART,
+                        help="the recipe to train (default: the quickstart's, configs/quickstart.json)")
     parser.add_argument("--set", type=override, action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every run (repeatable)")
 
@@ -61,8 +64,9 @@ def main(argv: list[str] | None = None) -> None:
     args = bench_args(__doc__.splitlines()[0], argv, extra=options)
     seeds = args.seeds[:2] if args.smoke else args.seeds
     overrides = dict(args.set)
-    quickstart_steps = json.loads(QUICKSTART.read_text(encoding="utf-8"))["training"]["num_steps"]
-    steps = 4 if args.smoke else overrides.get("training.num_steps", quickstart_steps)
+    config = args.config.resolve()
+    config_steps = json.loads(config.read_text(encoding="utf-8"))["training"]["num_steps"]
+    steps = 4 if args.smoke else overrides.get("training.num_steps", config_steps)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -70,15 +74,17 @@ def main(argv: list[str] | None = None) -> None:
                  "eval.prompts_path": str(smoke_prompts(work))} if args.smoke else {}
         for seed in seeds:
             settings = {**overrides, "training.seed": seed, "eval.live.enabled": False, **smoke}
-            final = next(entry for entry in train(f"seed {seed}", settings, work, steps, args.smoke)["evals"]
+            final = next(entry for entry in train(f"seed {seed}", settings, work, steps, args.smoke, config)["evals"]
                          if entry["tag"] == "final")
             rows.append({"seed": seed, **{group: final["accuracy"][group]["all"] for group in GROUPS}})
             print(f"seed {seed}: {rows[-1]}", flush=True)
     changed = ", ".join(f"{key}={json.dumps(value)}" for key, value in args.set)
     prompts = "first prompt of each group" if args.smoke else "16 concept and 32 prior prompts"
-    notes = (f"The quickstart ({steps} steps) at each seed, " + (f"with {changed}" if changed else "as it is")
+    recipe = "The quickstart" if config == QUICKSTART else f"`{args.config.as_posix()}`"
+    notes = (f"{recipe} ({steps} steps) at each seed, " + (f"with {changed}" if changed else "as it is")
              + f"; accuracy at the end over its {prompts} (the shapes judge).")
-    name = "seeds_smoke" if args.smoke else "seeds_changed" if args.set else "seeds"
+    name = ("seeds_smoke" if args.smoke else "seeds_changed" if args.set
+            else "seeds" if config == QUICKSTART else f"seeds_{config.stem}")
     write_results(name, rows + summary(rows), notes, args.results_dir)
 
 

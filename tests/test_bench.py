@@ -152,6 +152,20 @@ def test_seed_benchmark_refuses_an_override_that_is_not_json() -> None:
     assert "eval.sampler_name=euler" in result.stderr and "JSON value" in result.stderr
 
 
+def test_seed_benchmark_trains_the_config_it_is_given(tmp_path: Path) -> None:
+    """`--config` is the recipe each seed trains: a key the trainer does not know in that file stops
+    the first run, and the error names the file and the key."""
+    config = json.loads((ROOT / "configs" / "quickstart_prior_preservation.json").read_text(encoding="utf-8"))
+    config["adapter"]["rnk"] = 4
+    (tmp_path / "typo.json").write_text(json.dumps(config), encoding="utf-8")
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_seeds.py"), "--smoke", "--seeds", "42",
+                             "--config", str(tmp_path / "typo.json"), "--results-dir", str(tmp_path)],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "typo.json: unknown key adapter.rnk" in result.stderr
+    assert not (tmp_path / "seeds_smoke.json").exists()
+
+
 def test_seed_benchmark_summary_is_the_mean_lowest_and_highest_of_each_group() -> None:
     """The smoke run's two seeds may well score alike; here each statistic has its own answer."""
     from bench.bench_seeds import summary
