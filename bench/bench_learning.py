@@ -85,7 +85,7 @@ def token_prompts(prompts_path: Path, folder: Path) -> Path:
     return path
 
 
-def without_image_dir(folder: Path, config_path: Path = QUICKSTART) -> Path:
+def without_image_dir(folder: Path, config_path: Path) -> Path:
     """`config_path` without `data.image_dir`, written to `folder`: a run with `data.subsets`
     names each subset's folder instead (setting both is a config error)."""
     config = json.loads(config_path.read_text(encoding="utf-8"))

@@ -6,11 +6,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.helpers import ROOT
+
 IMPORTS = "import peft, diffusers.loaders.ip_adapter, logging\n"
 OTHER_MESSAGES = (
     "logging.getLogger('transformers.utils.import_utils').warning('an unrelated notice')\n"
