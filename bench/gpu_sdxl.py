@@ -5,6 +5,7 @@ checkpointing off and on. Measures it/s, images/s, peak VRAM and model-FLOPs uti
     python bench/gpu_sdxl.py                        # on a CUDA machine
     python bench/gpu_sdxl.py --batch-sizes 1 8      # other batch sizes
     python bench/gpu_sdxl.py --smoke                # CPU, the tiny model, seconds: checks the code path
+    python bench/gpu_sdxl.py --modes dora lora none --profile   # where each step's time goes
 
 The step is the trainer's own: `start_run` sets up the run (precision plan and casts, peft DoRA or
 unfrozen weights, optimizer, accelerate), then each step calls the functions `train()` calls:
@@ -17,6 +18,12 @@ backward pass of the same model (matmuls, convolutions and PyTorch SDPA attentio
 checkpointing off, so MFU counts model FLOPs, not recomputation. Attention is PyTorch SDPA (which
 picks FlashAttention kernels itself), because the counter cannot see inside the flash_attn package.
 MFU = FLOPs per step × steps per second / the GPU's dense bf16 peak (table below, or --peak-tflops).
+
+`--profile` runs the timed steps once more under torch.profiler and adds, per configuration, the
+GPU's busy time per step (the union of its kernels' intervals, against the unprofiled step time)
+and the kernels and aten ops launched per step; the ops that took longest go to a text file beside
+the table (gpu_sdxl_profile.txt). A step that launches many small kernels leaves the GPU waiting
+on Python.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import bench_args, proc_status_kib, write_results
+from sdxl_trainer.atomic import write_text
 
 # Dense (no sparsity) bf16 tensor-core peaks from the vendor datasheets, in TFLOPS; the first name
 # contained in torch.cuda.get_device_name() wins.
@@ -46,11 +54,14 @@ def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, help="timed steps per configuration (default 10; smoke 1)")
     parser.add_argument("--warmup", type=int, help="untimed steps first (default 3; smoke 0)")
     parser.add_argument("--rank", type=int, help="DoRA rank (default 32; smoke 4)")
-    parser.add_argument("--modes", nargs="+", choices=("dora", "none"), default=["dora", "none"],
-                        help="dora and/or none (full fine-tune)")
+    parser.add_argument("--modes", nargs="+", choices=("dora", "lora", "none"), default=["dora", "none"],
+                        help="dora, lora and/or none (full fine-tune)")
     parser.add_argument("--optimizer", choices=("adamw8bit", "adamw", "adafactor"),
                         help="default: adamw8bit, the trainer's default (smoke: adamw)")
     parser.add_argument("--text-encoder", action="store_true", help="also train CLIP-L (default: UNet only)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the UNet (model.use_torch_compile)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile the timed steps: GPU busy time, kernels per step, the top ops")
     parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak, if not in the table")
 
 
@@ -79,7 +90,8 @@ def step_config(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     """The benchmark's training config: bf16, 8-bit AdamW by default, checkpointing switched later."""
     return {
         "model": {"id": "builtin:tiny-sdxl", "train_text_encoder_1": args.text_encoder,
-                  "use_gradient_checkpointing": False, "attention": "sdpa"},
+                  "use_gradient_checkpointing": False, "attention": "sdpa",
+                  "use_torch_compile": args.compile},
         "adapter": {"type": mode, "rank": args.rank, "alpha": args.rank},
         "run": {"name": "gpu_sdxl"},
         "training": {"num_steps": 10**6, "mixed_precision": "bf16", "lr_unet": 1e-5, "seed": 1,
@@ -185,14 +197,40 @@ def measure(step: TrainerStep, batch: dict[str, Any], warmup: int, steps: int) -
             "peak_reserved_GB": reserved / 1e9}
 
 
-def run_mode(mode: str, args: argparse.Namespace, device, peak: float | None) -> list[dict[str, Any]]:
+def profile_steps(step: TrainerStep, batch: dict[str, Any], steps: int) -> tuple[dict[str, float], str]:
+    """`steps` steps under torch.profiler: per step, the GPU's busy time (the union of its kernels'
+    intervals, so overlapping streams count once), kernels launched and aten ops called; and the
+    table of the ops with the most device time (CPU time on the CPU)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if step.device.type == "cuda" else [])
+    with profile(activities=activities) as profiler:
+        for _ in range(steps):
+            step(batch)
+        synchronize(step.device)
+    events = profiler.events()
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+    busy_us, reach = 0.0, float("-inf")
+    for start, end in kernels:
+        busy_us += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    aten = sum(1 for e in events if e.device_type == DeviceType.CPU and e.name.startswith("aten::"))
+    sort = "self_device_time_total" if kernels else "self_cpu_time_total"
+    table = profiler.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=60)
+    return {"gpu_busy_ms_per_step": busy_us / 1e3 / steps, "kernels_per_step": len(kernels) / steps,
+            "aten_ops_per_step": aten / steps}, table
+
+
+def run_mode(mode: str, args: argparse.Namespace, device, peak: float | None,
+             profiles: list[str]) -> list[dict[str, Any]]:
     """Every batch size with checkpointing off, then on, for one training mode (one model build)."""
     import torch
 
     pipe = build_pipeline(args.smoke, device)
     step = TrainerStep(pipe, mode, args)
     latent_side = 8 if args.smoke else 128
-    label = f"DoRA rank {args.rank}" if mode == "dora" else "full"
+    label = {"dora": f"DoRA rank {args.rank}", "lora": f"LoRA rank {args.rank}"}.get(mode, "full")
     rows, flops = [], {}
     for checkpointing in (False, True):
         step.checkpointing(checkpointing)
@@ -217,6 +255,11 @@ def run_mode(mode: str, args: argparse.Namespace, device, peak: float | None) ->
                 continue
             count, with_recompute = flops[size]
             achieved = count / measured["seconds"] / 1e12
+            if args.profile:
+                counts, table = profile_steps(step, batch, args.steps)
+                busy = counts["gpu_busy_ms_per_step"]
+                row.update(counts, gpu_busy_percent=100 * busy / 1e3 / measured["seconds"] if busy else None)
+                profiles.append(f"## {label}, batch {size}, checkpointing {row['grad_ckpt']}\n\n{table}\n")
             row.update({"it_per_s": 1 / measured["seconds"], "images_per_s": size / measured["seconds"],
                         "peak_memory_GB": measured["peak_memory_GB"],
                         "peak_requested_GB": measured["peak_requested_GB"],
@@ -252,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     peak = peak_tflops(device_name, args.peak_tflops)
     torch.manual_seed(0)
-    rows = [row for mode in args.modes for row in run_mode(mode, args, device, peak)]
+    profiles: list[str] = []
+    rows = [row for mode in args.modes for row in run_mode(mode, args, device, peak, profiles)]
     what = "the built-in tiny SDXL on the CPU, 64² images (smoke test, not a measurement)" if smoke else (
         "full-size SDXL (UNet 2.6 B parameters, CLIP-L, bigG) with random weights, 1024² images")
     notes = (
@@ -265,8 +309,15 @@ def main(argv: list[str] | None = None) -> int:
         "FlopCounterMode on one step with checkpointing off (model FLOPs, used for the checkpointed rows too). "
         f"MFU against {f'{peak:g} TFLOPS dense bf16' if peak else 'no known peak (pass --peak-tflops)'}."
     )
-    write_results("gpu_sdxl_smoke" if smoke else "gpu_sdxl", rows, notes, args.results_dir,
-                  extra={"device": device_name or "cpu", "peak_tflops": peak})
+    name = "gpu_sdxl" + ("_compiled" if args.compile else "") + ("_smoke" if smoke else "")
+    if args.compile:
+        notes += " The UNet is compiled (torch.compile, default mode); the warm-up steps compile it."
+    if args.profile:
+        notes += (" gpu_busy_percent: the GPU's busy time (profiled) against the unprofiled step time; "
+                  f"the ops that took longest are in {name}_profile.txt.")
+    write_results(name, rows, notes, args.results_dir, extra={"device": device_name or "cpu", "peak_tflops": peak})
+    if args.profile:
+        write_text(args.results_dir / f"{name}_profile.txt", "\n".join(profiles))
     return 0
 
 

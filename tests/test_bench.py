@@ -43,14 +43,21 @@ def assert_positive(row: dict, *fields: str) -> None:
 
 
 def test_gpu_benchmark_smoke_runs_on_the_cpu(results: Path) -> None:
-    """bench/gpu_sdxl.py --smoke --peak-tflops 1 (the peak run_all gives it, so that MFU is computed)."""
+    """bench/gpu_sdxl.py --smoke --peak-tflops 1 --profile (the peak run_all gives it, so that MFU is
+    computed; the profile counts ops on the CPU, where no GPU kernel runs)."""
     rows = rows_of(results / "gpu_sdxl_smoke.json")
     assert {(r["mode"], r["batch"], r["grad_ckpt"]) for r in rows} == {
         (mode, batch, ckpt) for mode in ("DoRA rank 4", "full") for batch in (1, 2) for ckpt in ("off", "on")}
     for row in rows:
         assert row["status"] == "ok"
         assert_positive(row, "it_per_s", "images_per_s", "peak_memory_GB", "TFLOP_per_step", "achieved_TFLOPS",
-                        "MFU_percent")
+                        "MFU_percent", "aten_ops_per_step")
+        assert row["kernels_per_step"] == 0 and row["gpu_busy_percent"] is None
+    # DoRA's rescale adds ops to every adapted layer; checkpointing runs the forward twice
+    ops = {(r["mode"], r["grad_ckpt"]): r["aten_ops_per_step"] for r in rows if r["batch"] == 1}
+    assert ops["DoRA rank 4", "off"] > ops["full", "off"] and ops["full", "on"] > ops["full", "off"]
+    profiles = (results / "gpu_sdxl_smoke_profile.txt").read_text(encoding="utf-8")
+    assert profiles.count("## ") == len(rows) and "aten::mm" in profiles
 
 
 def test_cpu_benchmarks_smoke(results: Path) -> None:
