@@ -20,6 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .adapter_kinds import ADAPTER_KINDS, ADAPTER_TYPES, FULL_FINE_TUNE
 
 BUCKET_KEY = re.compile(r"^(\d+)x(\d+)$")
+# The key of each trained component's learning rate.
+RATE_KEYS = {"unet": "training.lr_unet", "text_encoder": "training.lr_text_encoder_1",
+             "text_encoder_2": "training.lr_text_encoder_2"}
 MAX_REPEATS = 10_000  # subset repeats: an epoch is a list of every image times its repeats
 
 SAMPLER_NAMES = (
@@ -629,7 +632,8 @@ class OptimizerConfig(Section):
         "adamw8bit", "adamw", "adafactor", "prodigy", "adamw_schedulefree", "lion", "lion8bit", "came"
     ] = Field(
         "adamw8bit", description="8-bit AdamW (bitsandbytes), AdamW, Adafactor, Prodigy (`prodigyopt`; the "
-        "learning rates are multipliers of its own step size: use 1.0), schedule-free AdamW (`schedulefree`; "
+        "learning rates are multipliers of its own step size: use 1.0 for every trained part; bias correction and "
+        "the warmup safeguard on), schedule-free AdamW (`schedulefree`; "
         "constant LR schedule, eval and exports use its averaged weights), Lion or 8-bit Lion (bitsandbytes), "
         "or CAME (`came-pytorch`)."
     )
@@ -818,6 +822,7 @@ class Config(Section):
                     f"(or set model.train_text_encoder_{index} to false)",
                 )
         self._check_textual_inversion()
+        self._check_prodigy_rates()
         preservation = training.output_preservation
         trains_adapter = self.adapter.type != "none" and (
             not self.textual_inversion.tokens or self.textual_inversion.train_adapter)
@@ -869,7 +874,37 @@ class Config(Section):
                                     "trains the new embeddings only: set it to false (or textual_inversion."
                                     "train_adapter to true)")
 
+    def _check_prodigy_rates(self) -> None:
+        """Prodigy estimates one step size for all parameters, and prodigyopt raises at the first
+        step when param groups differ in rate: every trained part takes the same rate, no LoRA+."""
+        if self.optimizer.type != "prodigy":
+            return
+        if self.adapter.loraplus_lr_ratio not in (None, 1):
+            raise _KeyError("adapter.loraplus_lr_ratio", "trains LoRA's B matrices at another rate, which Prodigy "
+                            "does not take (it estimates one step size for all parameters): remove it")
+        rates = {RATE_KEYS[name]: rate for name, rate in self.trained_components().items()}
+        if self.textual_inversion.tokens:
+            rates["textual_inversion.lr"] = self.textual_inversion.lr
+        first, rate = next(iter(rates.items()))
+        for key, other in rates.items():
+            if other != rate:
+                raise _KeyError(key, f"is {other:g} and {first} is {rate:g}, but Prodigy takes one rate for every "
+                                "part it trains (it estimates one step size for all of them): set them equal "
+                                '(1.0), and scale its steps with optimizer.args.d_coef (e.g. {"d_coef": 0.5})')
+
     # Derived values ------------------------------------------------------------------------
+    def trained_components(self) -> dict[str, float]:
+        """The components the config trains, with their learning rates (textual inversion's new
+        embeddings are not among them: embeddings.attach_tokens adds them)."""
+        training, model, inversion = self.training, self.model, self.textual_inversion
+        # Textual inversion alone trains the new embeddings only.
+        wanted = {"unet": training.lr_unet} if not inversion.tokens or inversion.train_adapter else {}
+        if model.train_text_encoder_1:
+            wanted["text_encoder"] = training.lr_text_encoder_1
+        if model.train_text_encoder_2:
+            wanted["text_encoder_2"] = training.lr_text_encoder_2
+        return wanted
+
     @property
     def precision(self) -> str:
         """The effective compute precision (`model.use_bf16` is a legacy alias)."""

@@ -303,9 +303,8 @@ def _outside_message(path: Path, outside: list[str], matched: list[str], pipe: S
                      config: Config) -> str:
     """The one line for the file's modules on layers of the model that the config does not train."""
     from .adapters import unet_target_modules
-    from .training_setup import trained_components
 
-    untrained = sorted({key.split(".", 1)[0] for key in outside} - set(trained_components(config)))
+    untrained = sorted({key.split(".", 1)[0] for key in outside} - set(config.trained_components()))
     if untrained:
         switch = {"text_encoder": "model.train_text_encoder_1", "text_encoder_2": "model.train_text_encoder_2"}
         said = "; ".join(f"{switch[component]} is false, the file adapts {component}" for component in untrained)

@@ -251,7 +251,7 @@ def describe_optimizer(config: Config) -> str:
     rates = [rate for rate in (training.lr_unet, training.lr_text_encoder_1, training.lr_text_encoder_2) if rate]
     if optimizer.type == "prodigy" and min(rates) < 0.1:
         line += (f"\n  warning: Prodigy's learning rates multiply its own step size; {min(rates):g} makes its steps "
-                 f"{1 / min(rates):,.0f} times smaller (use 1.0, and e.g. 0.5 for a text encoder)")
+                 f"{1 / min(rates):,.0f} times smaller (use 1.0; optimizer.args.d_coef scales its steps)")
     return line
 
 

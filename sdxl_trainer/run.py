@@ -76,7 +76,7 @@ from .memory.watch import OVER_PLAN, PeakWatch
 from .models import load_pipeline
 from .nan_guard import ABORT, OK, SKIP, NaNGuard, non_finite_report
 from .notify import end_event, notify
-from .optimizers import apply_configured_settings, averaged_weights, is_schedule_free, make_optimizer
+from .optimizers import apply_configured_settings, averaged_weights, is_schedule_free, make_optimizer, step_sizes
 from .output_folder import OutputLock, remove_leftovers
 from .output_preservation import training_loss
 from .outputs import log_memory, log_step, open_tensorboard, save_final, write_summary
@@ -565,10 +565,11 @@ def after_step(run: Run, result: StepResult) -> None:
     if result.verdict == OK and (step % training.log_every == 0 or step == run.total_steps):
         mean_loss = torch.stack(tally.logged_losses).float().mean().item()
         tally.logged_losses.clear()
-        run.progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{run.lr_scheduler.get_last_lr()[0]:.2e}")
+        rates = step_sizes(run.optimizer)
+        run.progress.set_postfix(loss=f"{mean_loss:.4f}", lr=f"{rates[0]:.2e}")
         peaks = run.memory.take() if run.memory else {}
         if run.writer:
-            log_step(run.writer, step, mean_loss, run.lr_scheduler.get_last_lr(), run.trainable.group_names,
+            log_step(run.writer, step, mean_loss, rates, run.trainable.group_names,
                      float(result.grad_norm), run.scaler, training.tensorboard)
             log_memory(run.writer, step, peaks, run.plan.memory)
     if run.accelerator.num_processes > 1 and not is_sharded(run.accelerator) and step % training.log_every == 0:

@@ -82,22 +82,10 @@ class Trainable:
         return "trainable: " + "; ".join(parts)
 
 
-def trained_components(config: Config) -> dict[str, float]:
-    """The components the config trains, with their learning rates."""
-    training, model, inversion = config.training, config.model, config.textual_inversion
-    # Textual inversion alone trains the new embeddings only (embeddings.attach_tokens adds them).
-    wanted = {"unet": training.lr_unet} if not inversion.tokens or inversion.train_adapter else {}
-    if model.train_text_encoder_1:
-        wanted["text_encoder"] = training.lr_text_encoder_1
-    if model.train_text_encoder_2:
-        wanted["text_encoder_2"] = training.lr_text_encoder_2
-    return wanted
-
-
 def adapter_targets(pipe: StableDiffusionXLPipeline, config: Config) -> dict[str, list[str]]:
     """The modules that get adapters, per trained component (before any is attached)."""
     targets = {}
-    for name in trained_components(config):
+    for name in config.trained_components():
         module = getattr(pipe, name)
         found = (unet_target_modules(module, config.adapter.targets) if name == "unet"
                  else text_encoder_target_modules(module, config.adapter.targets))
@@ -109,7 +97,7 @@ def prepare_trainable(pipe: StableDiffusionXLPipeline, config: Config, patterns:
     """Freeze everything, then attach adapters to (or unfreeze) the components the config trains
     (with `patterns`, modules keep ranks and alphas of their own: adapters.Patterns)."""
     model = config.model
-    wanted = trained_components(config)
+    wanted = config.trained_components()
     targets = adapter_targets(pipe, config) if config.adapter.type != "none" else {}
 
     for name in ("unet", "vae", "text_encoder", "text_encoder_2"):

@@ -170,6 +170,61 @@ def test_lora_plus_gives_the_b_matrices_the_ratio(tmp_path: Path, tiny_sdxl_dir:
         validate_config(tiny_config(tmp_path, adapter={"type": "loha", "loraplus_lr_ratio": 16}))
 
 
+def test_prodigy_takes_one_rate_for_everything_it_trains(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """prodigyopt raises at the first step when param groups differ in rate (after the whole set-up):
+    the config refuses that instead, naming the key, with exit code 2 and no traceback."""
+    prodigy = {"optimizer": {"type": "prodigy"}}
+    validate_config(tiny_config(tmp_path, **prodigy, training={"lr_unet": 1.0, "lr_text_encoder_1": 1.0}))
+    cases = [
+        ({"training": {"lr_unet": 1.0, "lr_text_encoder_1": 0.5}},
+         "training.lr_text_encoder_1 is 0.5 and training.lr_unet is 1, but Prodigy takes one rate"),
+        ({"training": {"lr_unet": 1.0, "lr_text_encoder_1": 1.0},
+          "adapter": {"type": "lora", "rank": 4, "loraplus_lr_ratio": 16}},
+         "adapter.loraplus_lr_ratio trains LoRA's B matrices at another rate, which Prodigy does not take"),
+        ({"training": {"lr_unet": 1.0, "lr_text_encoder_1": 1.0},
+          "textual_inversion": {"tokens": [{"token": "<t>", "init_word": "shape"}], "train_adapter": True,
+                                "lr": 0.1}},
+         "textual_inversion.lr is 0.1 and training.lr_unet is 1"),
+    ]
+    for sections, message in cases:
+        with pytest.raises(ConfigError) as caught:
+            validate_config(tiny_config(tmp_path, **prodigy, **sections))
+        assert str(caught.value).startswith(f"config: {message}"), caught.value
+    # another optimizer takes different rates
+    validate_config(tiny_config(tmp_path, training={"lr_unet": 1e-3, "lr_text_encoder_1": 5e-4}))
+    path = write_config(tmp_path / "c.json", tiny_config(tmp_path, **cases[0][0], **prodigy))
+    assert train_sdxl.main(["--config", str(path), "--dry-run"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error: ") and cases[0][1] in error and "Traceback" not in error, error
+
+
+@pytest.mark.slow
+def test_prodigy_follows_its_authors_advice_and_logs_its_own_step_size(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
+    """Bias correction and the warmup safeguard are on unless optimizer.args says otherwise (without
+    the correction the quickstart's 600 steps broke the model: docs/training.md), and lr/unet is
+    the step size Prodigy takes (its estimate d times the rate), not the rate."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from sdxl_trainer.checkpointing import load_state
+
+    def group_of(args: dict) -> dict:
+        params = [torch.nn.Parameter(torch.zeros(2))]
+        optimizer = make_optimizer(OptimizerConfig(type="prodigy", args=args), [{"params": params, "lr": 1.0}])
+        return optimizer.param_groups[0]
+
+    assert group_of({})["use_bias_correction"] and group_of({})["safeguard_warmup"]
+    assert not group_of({"use_bias_correction": False, "safeguard_warmup": False})["use_bias_correction"]
+    half = {"lr_unet": 0.5, "lr_text_encoder_1": 0.5, "num_steps": 4, "log_every": 4}
+    path = write_config(tmp_path / "c.json", tiny_config(tmp_path, optimizer={"type": "prodigy"}, training=half))
+    assert train_sdxl.main(["--config", str(path)]) == 0
+    state = load_state(tmp_path / "out" / "test_run" / "trainer_state.pt")  # after the last step
+    group = state.snapshot.optimizer["param_groups"][0]
+    assert group["use_bias_correction"] and group["safeguard_warmup"] and group["lr"] == 0.5
+    events = EventAccumulator(str(tmp_path / "tb" / "test_run"))
+    events.Reload()
+    assert events.Scalars("lr/unet")[-1].value == pytest.approx(0.5 * group["d"])  # d: 1e-6 at first, growing
+
+
 @pytest.mark.slow
 def test_arguments_and_combinations_are_checked(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     check_optimizer(OptimizerConfig(type="prodigy", args={"d_coef": 0.5}))
