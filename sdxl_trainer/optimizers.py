@@ -29,6 +29,9 @@ CLASSES = {
 }
 ADAM_LIKE = {"adamw", "adamw8bit", "prodigy", "adamw_schedulefree"}
 SET_BY_THE_TRAINER = {"self", "params", "lr"}  # the param groups carry training.lr_*
+# Prodigy's authors' advice for diffusion models: without the bias correction its steps are up to
+# 6.6x Adam's at the same rate, still 1.5x at step 600 (docs/training.md). optimizer.args overrides.
+PRODIGY_SETTINGS = {"use_bias_correction": True, "safeguard_warmup": True}
 
 
 def optimizer_class(kind: str) -> type:
@@ -120,9 +123,8 @@ def own_defaults(optimizer: OptimizerConfig, kind: str, warmup_steps: int) -> di
         settings |= {"betas": optimizer.betas, "eps": optimizer.eps}
     if kind in ("lion", "lion8bit") and "betas" in optimizer.model_fields_set:
         settings["betas"] = optimizer.betas  # else Lion's own (0.9, 0.99): Adam's 0.999 is wrong for it
-    if kind == "prodigy":  # its authors' advice for diffusion models: without the bias correction its
-        # steps are up to 6.6x Adam's at the same rate, still 1.5x at step 600 (docs/training.md)
-        settings |= {"use_bias_correction": True, "safeguard_warmup": True}
+    if kind == "prodigy":
+        settings |= PRODIGY_SETTINGS
     if kind == "adamw_schedulefree":
         settings["warmup_steps"] = warmup_steps
     if kind == "adafactor":  # fixed learning rates from the config, not Adafactor's relative step sizes

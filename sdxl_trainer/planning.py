@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .config import UNBUILT, Config, ConfigError, unbuilt_options
+from .optimizers import PRODIGY_SETTINGS
 from .precision import cached_encoders
 
 if TYPE_CHECKING:
@@ -243,7 +244,8 @@ def describe_plan(config: Config, data_plan: DatasetPlan, total_steps: int) -> s
 def describe_optimizer(config: Config) -> str:
     """The optimizer, its extra arguments, LoRA+, and a warning for Prodigy with Adam-sized rates."""
     optimizer, training = config.optimizer, config.training
-    line = f"optimizer: {optimizer.type}" + "".join(f", {key}={value}" for key, value in optimizer.args.items())
+    shown = (PRODIGY_SETTINGS if optimizer.type == "prodigy" else {}) | optimizer.args  # the trainer's, then the user's
+    line = f"optimizer: {optimizer.type}" + "".join(f", {key}={value}" for key, value in shown.items())
     if optimizer.fused_backward:
         line += "; fused backward: each tensor is stepped in backward and its gradient freed"
     if config.adapter.loraplus_lr_ratio:

@@ -237,5 +237,6 @@ def test_arguments_and_combinations_are_checked(tmp_path: Path, capsys: pytest.C
                                     training={"lr_scheduler": {"type": "cosine_decay"}}))
     path = write_config(tmp_path / "c.json", tiny_config(tmp_path, optimizer={"type": "prodigy"}))
     assert train_sdxl.main(["--config", str(path), "--dry-run"]) == 0
-    assert "warning: Prodigy's learning rates multiply its own step size; 0.001 makes its steps 1,000 times" \
-        in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "warning: Prodigy's learning rates multiply its own step size; 0.001 makes its steps 1,000 times" in out
+    assert "optimizer: prodigy, use_bias_correction=True, safeguard_warmup=True\n" in out  # what it will run with
