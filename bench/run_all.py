@@ -31,9 +31,9 @@ from bench.common import BENCH, bench_args, quiet_env
 
 BENCHMARKS = ("bench_step", "bench_text_cache", "bench_dora", "bench_data", "bench_convert", "bench_startup",
               "bench_pretrained", "bench_learning", "bench_fused")
-# --smoke only (each with its own options): on the CPU the GPU benchmark's MFU needs a stated peak
-# (and its profile runs too);
-# the seed benchmark gets an override, so that the smoke run goes through its --set path.
+# --smoke only (each with its own options): on the CPU the GPU benchmark's MFU needs a stated peak,
+# and its profile runs too; the seed benchmark gets an override, so that the smoke run goes through
+# its --set path.
 SMOKE_ONLY = {"bench_memory": [], "bench_adapters": [], "bench_quantized_base": [],
               "bench_seeds": ["--set", "eval.cfg_scale=2"], "gpu_sdxl": ["--peak-tflops", "1", "--profile"]}
 
