@@ -57,7 +57,11 @@ def test_gpu_benchmark_smoke_runs_on_the_cpu(results: Path) -> None:
     ops = {(r["mode"], r["grad_ckpt"]): r["aten_ops_per_step"] for r in rows if r["batch"] == 1}
     assert ops["DoRA rank 4", "off"] > ops["full", "off"] and ops["full", "on"] > ops["full", "off"]
     profiles = (results / "gpu_sdxl_smoke_profile.txt").read_text(encoding="utf-8")
-    assert profiles.count("## ") == len(rows) and "aten::mm" in profiles
+    assert profiles.count("## ") == len(rows)
+    # every aten op is counted, not one kind: the first row's matmuls (one step) are a part of them
+    first = profiles.split("## ")[1]
+    matmuls = int(next(line for line in first.splitlines() if line.split()[:1] == ["aten::mm"]).split()[-1])
+    assert 0 < matmuls < rows[0]["aten_ops_per_step"] / 2
 
 
 def test_cpu_benchmarks_smoke(results: Path) -> None:
