@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -113,7 +114,12 @@ class TrainerStep:
         from sdxl_trainer.planning import RunPlan
         from sdxl_trainer.run import start_run
 
-        config = validate_config(step_config(mode, args))
+        # The run's output folder holds only its lock; one of its own, so that two benchmarks at once
+        # (the test suite's workers) never share one, and nothing is left in the project's .output.
+        self.output_root = tempfile.TemporaryDirectory(prefix="gpu_sdxl-")
+        settings = step_config(mode, args)
+        settings["run"]["output_root"] = self.output_root.name
+        config = validate_config(settings)
         # No data plan: the benchmark feeds its own batches of latents.
         self.run = start_run(config, RunPlan(data=None, total_steps=10**6, prompts=[], preflight=""), pipe)
         self.run.progress.disable = True
