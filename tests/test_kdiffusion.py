@@ -18,13 +18,14 @@ from sdxl_trainer.config import ConfigError, EvalConfig, ModelConfig
 from sdxl_trainer.eval.comfyui_sampling import (
     denoised_estimate,
     eval_backend,
+    sample_rows,
     sampling_sigmas,
     scaled_input,
     starting_noise_scale,
 )
 from sdxl_trainer.eval.eval_prompts import EvalPrompt
 from sdxl_trainer.eval.evaluation import prompt_batches, run_evaluation
-from sdxl_trainer.eval.kdiffusion_samplers import DISCARD_PENULTIMATE_SIGMA, SAMPLERS, sample
+from sdxl_trainer.eval.kdiffusion_samplers import DISCARD_PENULTIMATE_SIGMA, SAMPLERS, ancestral_step, sample
 from sdxl_trainer.eval.samplers import check_eval_sampler
 from sdxl_trainer.eval.sigma_schedules import SCHEDULE_NAMES, SigmaTable, make_sigmas
 from sdxl_trainer.models import load_pipeline
@@ -83,6 +84,26 @@ def test_every_sampler_ends_where_comfyuis_does(name: str) -> None:
     result = sample(name, denoise, noise * sigmas[0], sigmas, seeds=[7])
     assert_close(result.flatten().tolist(), run["result"])
     assert result.sum().item() == pytest.approx(run["result_sum"], abs=1e-4)
+
+
+def test_an_ancestral_step_adds_fresh_noise_not_the_starting_noise_again() -> None:
+    """ComfyUI on the CPU draws the ancestral noise from seed + 1 (its fix for issue 9819). One
+    euler_ancestral step with a denoiser that predicts 0 scales x to σ_down and adds σ_up times the
+    sampler's noise, so that noise can be read back exactly: it is seed + 1's, not the starting
+    noise of the seed (which would add the same noise twice, 1.4x too strong after the first step)."""
+    table = SigmaTable.from_scheduler_config(SDXL_SCHEDULE)
+    sigmas = make_sigmas("karras", table, 10)[:2]
+    shape, seed = (1, 4, 8, 8), 5
+    result = sample_rows("euler_ancestral", lambda x, sigma: torch.zeros_like(x), sigmas, table, shape, [seed])
+    start = torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+    x = start * starting_noise_scale(float(sigmas[0]), table)
+    sigma_down, sigma_up = ancestral_step(sigmas[0], sigmas[1])
+    added = (result - x * sigma_down / sigmas[0]) / sigma_up
+    assert torch.allclose(added, torch.randn(shape, generator=torch.Generator().manual_seed(seed + 1)), atol=1e-4)
+    assert abs(torch.corrcoef(torch.stack([added.flatten(), start.flatten()]))[0, 1]) < 0.2
+    # The SDE samplers' Brownian tree keeps the seed: seed + 1 would give another image.
+    sde = sample_rows("dpmpp_2m_sde", lambda x, sigma: torch.zeros_like(x), sigmas, table, shape, [seed])
+    assert torch.equal(sde, sample("dpmpp_2m_sde", lambda x, sigma: torch.zeros_like(x), x, sigmas, [seed]))
 
 
 def test_names_are_checked_with_a_did_you_mean_and_auto_picks_the_comfyui_path() -> None:

@@ -11,7 +11,7 @@ What ComfyUI does, and this module with it:
   estimates (equal to applying it to ε or v); at CFG 1 only the positive pass runs;
 - the starting latents: `torch.randn` from a CPU generator seeded with the prompt's seed, times
   √(1 + σ₀²) when sampling starts at the model's σ_max (ComfyUI's full-denoise noise scaling),
-  else times σ₀; the samplers' own noise is seeded from the same seed (`kdiffusion_samplers.py`).
+  else times σ₀; the samplers' own noise as ComfyUI draws it on the CPU (`sample_rows`).
 Prompt embeddings and SDXL's size conditioning come from the pipeline's own `encode_prompt` and
 `_get_add_time_ids`, as in the diffusers backend.
 """
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import ConfigError, closest
-from .kdiffusion_samplers import DISCARD_PENULTIMATE_SIGMA, SAMPLERS, sample
+from .kdiffusion_samplers import ANCESTRAL_SAMPLERS, DISCARD_PENULTIMATE_SIGMA, SAMPLERS, Denoiser, sample
 from .sigma_schedules import SCHEDULE_NAMES, SigmaTable, make_sigmas
 
 if TYPE_CHECKING:
@@ -135,9 +135,19 @@ def comfyui_latents(pipe: StableDiffusionXLPipeline, eval_config: EvalConfig,
     sigmas = sampling_sigmas(eval_config.sampler_name, eval_config.scheduler, table,
                              eval_config.num_inference_steps).to(device)
     shape = (1, unet.config.in_channels, size[0] // pipe.vae_scale_factor, size[1] // pipe.vae_scale_factor)
-    # Each row from its prompt's seed, drawn on the CPU: the same noise on every device.
-    noise = torch.cat([torch.randn(shape, generator=torch.Generator().manual_seed(prompt.seed)) for prompt in prompts])
-    x = noise.to(device) * starting_noise_scale(float(sigmas[0]), table)
-    return sample(ALIASES.get(eval_config.sampler_name, eval_config.sampler_name), denoise, x, sigmas,
-                  [prompt.seed for prompt in prompts])
+    return sample_rows(ALIASES.get(eval_config.sampler_name, eval_config.sampler_name), denoise, sigmas, table,
+                       shape, [prompt.seed for prompt in prompts])
+
+
+def sample_rows(sampler: str, denoise: Denoiser, sigmas: torch.Tensor, table: SigmaTable,
+                shape: tuple[int, ...], seeds: list[int]) -> torch.Tensor:
+    """One row of `shape` per seed, sampled as ComfyUI's KSampler samples that seed. Its starting
+    noise is drawn on the CPU from the seed (the same on every device). The ancestral samplers'
+    own noise comes from seed + 1, as ComfyUI draws it on the CPU since its fix for issue 9819:
+    drawn from the seed itself, it repeats the starting noise, and the first step adds that noise
+    to itself instead of fresh noise. The SDE samplers' Brownian tree is built from the seed."""
+    noise = torch.cat([torch.randn(shape, generator=torch.Generator().manual_seed(seed)) for seed in seeds])
+    x = noise.to(sigmas.device) * starting_noise_scale(float(sigmas[0]), table)
+    sampler_seeds = [seed + 1 for seed in seeds] if sampler in ANCESTRAL_SAMPLERS else seeds
+    return sample(sampler, denoise, x, sigmas, sampler_seeds)
 
