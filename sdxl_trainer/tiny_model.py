@@ -58,10 +58,17 @@ def tiny_sdxl_path(cache_dir: Path | None = None) -> Path:
 
 
 def _build_atomically(folder: Path) -> None:
+    import torch
+
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
     try:
-        build_pretrained_tiny_sdxl().save_pretrained(tmp, safe_serialization=True)
+        # The build reseeds torch's CPU generator: without the fork, the run that builds the folder
+        # (after setting its seed) would draw its adapter init and noise from the build's seeds and
+        # train differently from every later run with the same seed.
+        with torch.random.fork_rng(devices=[]):
+            pipe = build_pretrained_tiny_sdxl()
+        pipe.save_pretrained(tmp, safe_serialization=True)
         try:
             tmp.rename(folder)
         except OSError:
@@ -168,11 +175,12 @@ def build_tiny_sdxl_pipeline():
     # mixes them up fails loudly instead of passing by accident.
     te1_hidden, te2_hidden = 32, 48
 
-    torch.manual_seed(0)
+    cpu = torch.random.default_generator  # the modules are made on the CPU; a caller's GPU streams stay as they were
+    cpu.manual_seed(0)
     text_encoder = CLIPTextModel(_clip_config(tokenizer, te1_hidden, "quick_gelu"))
-    torch.manual_seed(1)
+    cpu.manual_seed(1)
     text_encoder_2 = CLIPTextModelWithProjection(_clip_config(tokenizer_2, te2_hidden, "gelu"))
-    torch.manual_seed(2)
+    cpu.manual_seed(2)
     addition_time_embed_dim = 8
     unet = UNet2DConditionModel(
         sample_size=16,
@@ -193,7 +201,7 @@ def build_tiny_sdxl_pipeline():
         addition_time_embed_dim=addition_time_embed_dim,
         projection_class_embeddings_input_dim=6 * addition_time_embed_dim + te2_hidden,
     )
-    torch.manual_seed(3)
+    cpu.manual_seed(3)
     vae = AutoencoderKL(
         in_channels=3,
         out_channels=3,

@@ -10,7 +10,7 @@ import torch
 
 from sdxl_trainer.config import ConfigError, ModelConfig
 from sdxl_trainer.models import load_pipeline, resolve_source
-from sdxl_trainer.tiny_model import build_pretrained_tiny_sdxl, build_tiny_tokenizers
+from sdxl_trainer.tiny_model import build_pretrained_tiny_sdxl, build_tiny_tokenizers, tiny_sdxl_path
 
 
 def test_sources_are_classified_without_touching_weights(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
@@ -60,6 +60,16 @@ def test_tiny_model_build_is_deterministic(tiny_sdxl_dir: Path) -> None:
         assert ours.keys() == theirs.keys()
         assert all(torch.equal(ours[key], theirs[key]) for key in ours), name
     assert build_tiny_tokenizers()[0].get_vocab() == loaded.tokenizer.get_vocab()
+
+
+def test_building_the_tiny_model_leaves_the_random_stream_alone(tmp_path: Path) -> None:
+    """The run that builds the cache folder (after seeding) must draw what every later run draws:
+    the build once reseeded torch, and a fresh cache's first run trained to other weights."""
+    torch.manual_seed(7)
+    tiny_sdxl_path(tmp_path / "fresh-cache")  # a folder of its own: the session's cache is already built
+    after_build = torch.rand(4)
+    torch.manual_seed(7)
+    assert torch.equal(after_build, torch.rand(4))
 
 
 def test_local_folder_and_builtin_load_the_same_weights(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
