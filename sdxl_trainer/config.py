@@ -467,6 +467,9 @@ class TextCacheConfig(Section):
     )
 
 
+MASK_KEYS = ("alpha_mask", "mask_dir")  # a folder's mask source: one of them, or neither
+
+
 class FolderOptions(Section):
     """What a folder of training images is and how its captions and masks are read: the keys a
     subset shares with `data` (a subset's unset keys take `data`'s values)."""
@@ -562,7 +565,8 @@ class DataConfig(FolderOptions):
     text_cache: TextCacheConfig = Field(default_factory=TextCacheConfig, description="Text-encoder output cache.")
     subsets: list[SubsetConfig] = Field(
         default_factory=list, description="Several folders, each with its own repeats, captions and masks, "
-        "or regularization images; a subset's unset keys take the values of `data`. Empty: `data.image_dir` "
+        "or regularization images; a subset's unset keys take the values of `data` (the mask keys together: a "
+        "subset that sets `alpha_mask` or `mask_dir` takes neither from `data`). Empty: `data.image_dir` "
         "is the one folder.")
     validation_split: float = Field(
         0.0, ge=0.0, le=0.5, description="Fraction of the training images held out for `val/loss` and never "
@@ -603,7 +607,16 @@ class DataConfig(FolderOptions):
         shared = self._folder_options()
         if not self.subsets:
             return [SubsetConfig(**shared)]
-        return [SubsetConfig(**{**shared, **subset.model_dump(exclude_unset=True)}) for subset in self.subsets]
+        return [SubsetConfig(**{**self._inherited(shared, subset), **subset.model_dump(exclude_unset=True)})
+                for subset in self.subsets]
+
+    @staticmethod
+    def _inherited(shared: dict[str, Any], subset: SubsetConfig) -> dict[str, Any]:
+        """`data`'s keys a subset takes: the mask keys go together, so a subset that names its own mask
+        source (or none) does not also take `data`'s, which would be two sources."""
+        if subset.model_fields_set & set(MASK_KEYS):
+            return {name: value for name, value in shared.items() if name not in MASK_KEYS}
+        return shared
 
     def shuffles_without_variants(self) -> bool:
         """Whether some folder shuffles captions into a new order every epoch (no fixed variants):

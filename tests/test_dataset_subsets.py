@@ -164,6 +164,22 @@ def test_mask_files_are_matched_by_name_and_bad_ones_skip_their_image(tmp_path: 
     assert not plan.scan.images and all("no mask for it" in reason for _, reason in plan.scan.skipped)
 
 
+def test_a_subsets_own_mask_source_replaces_the_one_it_would_take_from_data(tmp_path: Path) -> None:
+    make_folder(tmp_path / "cut", 1, "cut", alpha=True)
+    plain = make_folder(tmp_path / "plain", 1, "plain")
+    (tmp_path / "masks").mkdir()
+    Image.new("L", (80, 64), 255).save(tmp_path / "masks" / plain[0].name)
+    plan = plan_of({"mask_dir": str(tmp_path / "masks"), "subsets": [
+        {"image_dir": str(tmp_path / "cut"), "alpha_mask": True},  # its alpha instead of data.mask_dir
+        {"image_dir": str(tmp_path / "plain")},  # takes data.mask_dir
+        {"image_dir": str(tmp_path / "cut"), "mask_dir": ""}]})  # no mask at all
+    masks = {(record.subset, record.path.stem): record.mask for record in plan.scan.images}
+    assert masks[(0, "cut_0")] == "alpha" and len(masks[(1, "plain_0")]) == 64 and masks[(2, "cut_0")] == ""
+    plan = plan_of({"alpha_mask": True, "subsets": [
+        {"image_dir": str(tmp_path / "plain"), "mask_dir": str(tmp_path / "masks")}]})
+    assert [record.mask_path for record in plan.scan.images] == [tmp_path / "masks" / plain[0].name]
+
+
 def test_an_edited_image_or_mask_changes_only_its_own_cache_entries(tmp_path: Path, pipe) -> None:
     make_folder(tmp_path / "images", 4, "img")
     masks = tmp_path / "masks"
