@@ -14,8 +14,8 @@ from .scan import ImageRecord
 
 
 def bucket_resolutions(data: DataConfig) -> list[tuple[int, int]]:
-    """The configured bucket list, or one generated as sd-scripts does: every width from
-    size/4 to 2·size in steps of `divisible_by`, with the tallest height within size² area."""
+    """The configured bucket list, or one generated as sd-scripts does: the square bucket, and every
+    width from size/4 to 2·size in steps of `divisible_by` with the tallest height within size² area."""
     bucket = data.bucket
     if bucket.resolutions:
         return sorted({(int(w), int(h)) for w, h in bucket.resolutions})
@@ -23,7 +23,8 @@ def bucket_resolutions(data: DataConfig) -> list[tuple[int, int]]:
     max_area = data.size * data.size
     smallest = max(step, data.size // 4 // step * step)
     largest = data.size * 2
-    resolutions = set()
+    square = data.size // step * step  # in the loop too when size is a multiple of step
+    resolutions = {(square, square)}
     for width in range(smallest, largest + 1, step):
         height = min(largest, max_area // width // step * step)
         if height >= smallest:

@@ -411,7 +411,8 @@ class BucketConfig(Section):
     resolutions: list[tuple[PositiveInt, PositiveInt]] | None = Field(
         None,
         description="Bucket resolutions `[[w, h], …]`; `null` = generated from `data.size` "
-        "(same area, both orientations, multiples of `divisible_by`).",
+        "(same area, both orientations, multiples of `divisible_by`, always the square one; `data.size` must be at "
+        "least `divisible_by`).",
     )
     divisible_by: PositiveInt = Field(64, description="Bucket sides are multiples of this.")
     batch_size: PositiveInt = Field(1, description="Batch size per bucket.")
@@ -590,6 +591,14 @@ class DataConfig(FolderOptions):
                 "data.crop", 'is "random" but data.latent_cache.enabled is true: cached latents need a fixed '
                 'crop (use "center", or turn the cache off)'
             )
+        return self
+
+    @model_validator(mode="after")
+    def _generated_buckets_fit(self) -> DataConfig:
+        if self.bucket.enabled and not self.bucket.resolutions and self.size < self.bucket.divisible_by:
+            raise _KeyError("data.size", f"is {self.size}, below data.bucket.divisible_by "
+                            f"({self.bucket.divisible_by}): no bucket side fits it; raise data.size or list "
+                            "data.bucket.resolutions")
         return self
 
     @model_validator(mode="after")

@@ -11,7 +11,8 @@ import pytest
 from PIL import Image
 
 import dataset
-from sdxl_trainer.config import DataConfig
+from sdxl_trainer.config import ConfigError, DataConfig, validate_config
+from tests.helpers import tiny_config
 
 
 def make_images(folder: Path, sizes: list[tuple[int, int]]) -> None:
@@ -39,6 +40,15 @@ def test_generated_buckets_keep_the_area_in_both_orientations() -> None:
     assert (1024, 1024) in resolutions and (832, 1216) in resolutions and (1216, 832) in resolutions
     assert all(w % 64 == 0 and h % 64 == 0 and w * h <= 1024 * 1024 for w, h in resolutions)
     assert all((h, w) in resolutions for w, h in resolutions)
+
+
+def test_generated_buckets_hold_the_square_even_when_size_is_no_multiple(tmp_path: Path) -> None:
+    resolutions = dataset.bucket_resolutions(DataConfig(size=1000))  # sd-scripts: 1000 // 64 * 64
+    assert dataset.nearest_bucket(1000, 1000, resolutions) == (960, 960)
+    config = tiny_config(tmp_path)
+    config["data"].update({"size": 48, "bucket": {"divisible_by": 64}})
+    with pytest.raises(ConfigError, match=r"data.size is 48, below data.bucket.divisible_by \(64\)"):
+        validate_config(config)
 
 
 def test_sample_reports_sizes_and_crop_for_sdxl_conditioning(tmp_path: Path) -> None:
