@@ -82,6 +82,20 @@ def inspect_image(path: Path, max_pixels: int) -> tuple[int, int, str] | str:
     return verdict
 
 
+def _gray_to_8_bit(image: Image.Image) -> Image.Image | None:
+    """16-bit or float grayscale as 8-bit "L", scaled (PIL's own convert clips every value above
+    255, or above 1.0, to white); None for any other mode."""
+    if image.mode in _SIXTEEN_BIT_MODES:
+        values = np.asarray(image, dtype=np.float64)
+        if image.mode != "I" or values.max() > 255:
+            values = values / 257.0
+        return Image.fromarray(np.clip(values.round(), 0, 255).astype(np.uint8), "L")
+    if image.mode == "F":
+        values = np.clip(np.asarray(image, dtype=np.float64), 0.0, 1.0) * 255.0
+        return Image.fromarray(values.round().astype(np.uint8), "L")
+    return None
+
+
 def load_rgb(path: Path, background: tuple[int, int, int] = (255, 255, 255)) -> Image.Image:
     """Open an image as 8-bit RGB with EXIF orientation applied.
 
@@ -91,14 +105,9 @@ def load_rgb(path: Path, background: tuple[int, int, int] = (255, 255, 255)) -> 
     """
     with Image.open(path) as opened:
         image = ImageOps.exif_transpose(opened)
-        if image.mode in _SIXTEEN_BIT_MODES:
-            values = np.asarray(image, dtype=np.float64)
-            if image.mode != "I" or values.max() > 255:
-                values = values / 257.0
-            return Image.fromarray(np.clip(values.round(), 0, 255).astype(np.uint8), "L").convert("RGB")
-        if image.mode == "F":
-            values = np.clip(np.asarray(image, dtype=np.float64), 0.0, 1.0) * 255.0
-            return Image.fromarray(values.round().astype(np.uint8), "L").convert("RGB")
+        gray = _gray_to_8_bit(image)
+        if gray is not None:
+            return gray.convert("RGB")
         has_alpha = image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info
         if has_alpha:
             rgba = image.convert("RGBA")
@@ -113,7 +122,8 @@ def load_mask(path: Path, alpha: bool) -> Image.Image | None:
     with Image.open(path) as opened:
         image = ImageOps.exif_transpose(opened)
         if not alpha:
-            return image.convert("L")
+            gray = _gray_to_8_bit(image)
+            return gray if gray is not None else image.convert("L")
         if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
             return image.convert("RGBA").getchannel("A")
         return None

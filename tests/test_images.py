@@ -109,6 +109,13 @@ def test_modes_convert_to_the_right_rgb(zoo: Path, name: str, expected: tuple[in
     assert all(abs(a - b) <= 3 for a, b in zip(pixel, expected, strict=True)), pixel
 
 
+def test_a_16_bit_mask_is_scaled_not_clipped(tmp_path: Path) -> None:
+    path = save(tmp_path, "mask.png", Image.fromarray(np.full((64, 64), 32768, dtype=np.uint16)), caption=None)
+    mask = dataset.load_mask(path, alpha=False)
+    assert mask.mode == "L" and mask.getpixel((5, 5)) == 128  # half grey, not white
+    assert float(dataset.mask_to_latent_grid(mask, 64, 64).mean()) == pytest.approx(128 / 255)
+
+
 def test_rotated_and_tiny_images_are_planned_correctly(zoo: Path) -> None:
     config = zoo_config(zoo)
     plan = dataset.plan_dataset(config, batch_size=1)
