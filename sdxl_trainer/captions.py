@@ -61,7 +61,7 @@ def read_caption_file(caption_path: Path, max_bytes: int) -> tuple[str, str | No
     if size > max_bytes:
         return "", too_long(f"caption {caption_path.name}", size, max_bytes)
     try:
-        return caption_path.read_text(encoding="utf-8").strip(), None
+        return caption_path.read_text(encoding="utf-8-sig").strip(), None  # a BOM (Notepad) is no caption text
     except UnicodeDecodeError:
         return "", f"caption {caption_path.name} is not UTF-8 text"
     except OSError as exc:  # unreadable (permissions), or a folder by that name
@@ -85,7 +85,7 @@ def read_metadata_lines(path: Path) -> dict[str, tuple[str, int]]:
     captions = {}
     for number, raw in enumerate(lines, start=1):
         try:
-            line = raw.decode("utf-8")
+            line = raw.decode("utf-8-sig")  # a BOM (Notepad) is not JSON
         except UnicodeDecodeError as exc:
             raise ConfigError(f"{path}, line {number}: not UTF-8 text ({not_utf8(exc)})") from None
         if not line.strip():

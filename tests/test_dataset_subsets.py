@@ -223,6 +223,16 @@ def test_metadata_captions_reach_the_text_encoder(tmp_path: Path, pipe) -> None:
     assert pipe.tokenizer.decode(seen[0][0], skip_special_tokens=True) == "a photo of sks dog"
 
 
+def test_a_byte_order_mark_is_not_part_of_a_caption(tmp_path: Path) -> None:
+    path = make_folder(tmp_path / "notepad", 1, "img")[0]
+    path.with_suffix(".txt").write_text("sks dog, red", encoding="utf-8-sig")  # "UTF-8 with BOM"
+    assert plan_of({"image_dir": str(tmp_path / "notepad")}).scan.images[0].caption == "sks dog, red"
+    line = json.dumps({"file_name": path.name, "text": "sks cat"})
+    (tmp_path / "notepad" / "metadata.jsonl").write_text(line + "\n", encoding="utf-8-sig")
+    plan = plan_of({"image_dir": str(tmp_path / "notepad"), "caption_source": "metadata"})
+    assert plan.scan.images[0].caption == "sks cat"
+
+
 @pytest.mark.slow
 def test_file_name_captions_and_a_bad_metadata_line(tmp_path: Path) -> None:
     folder = tmp_path / "named"
