@@ -1005,14 +1005,49 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text ({not_utf8(exc)})") from None
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=_json_object)
     except json.JSONDecodeError as exc:
         raise ConfigError(f"{path}: invalid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a JSON object")
+    repeated = _repeated_key(data)
+    if repeated is not None:
+        raise ConfigError(f"{path}: {repeated} is given twice (JSON would keep only the last); merge them into one")
     for override in overrides or []:
         apply_override(data, override)
     return validate_config(data, source=str(path))
+
+
+class _RepeatedKeys(dict):
+    """A parsed JSON object that names `key` more than once: plain JSON keeps the last value and
+    silently drops the rest, e.g. a whole `training` block written twice."""
+
+    def __init__(self, pairs: list[tuple[str, Any]], key: str) -> None:
+        super().__init__(pairs)
+        self.key = key
+
+
+def _json_object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object hook: a plain dict, or a `_RepeatedKeys` that `load_config` refuses."""
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            return _RepeatedKeys(pairs, key)
+        seen.add(key)
+    return dict(pairs)
+
+
+def _repeated_key(node: Any, where: str = "") -> str | None:
+    """The dotted path of a key named twice in one object of the parsed config, or None."""
+    if isinstance(node, _RepeatedKeys):
+        return f"{where}.{node.key}" if where else node.key
+    if isinstance(node, dict):
+        children = ((f"{where}.{key}" if where else key, value) for key, value in node.items())
+    elif isinstance(node, list):
+        children = ((f"{where}[{index}]", value) for index, value in enumerate(node))
+    else:
+        return None
+    return next((found for child, value in children if (found := _repeated_key(value, child)) is not None), None)
 
 
 def not_utf8(exc: UnicodeDecodeError) -> str:

@@ -110,6 +110,18 @@ def test_invalid_json_names_file_and_line(tmp_path: Path) -> None:
         load_config(path)
 
 
+def test_a_key_given_twice_is_refused_not_half_dropped(tmp_path: Path) -> None:
+    path = tmp_path / "twice.json"
+    path.write_text('{"training": {"num_steps": 3}, "run": {"name": "x"}, "training": {"lr_unet": 0.5}}',
+                    encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"twice.json: training is given twice"):
+        load_config(path)
+    path.write_text('{"data": {"subsets": [{"image_dir": "a"}, {"image_dir": "b", "repeats": 2, "repeats": 3}]}}',
+                    encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"twice.json: data.subsets\[1\].repeats is given twice"):
+        load_config(path)
+
+
 def test_text_encoder_trained_without_its_rate_is_refused(tmp_path: Path) -> None:
     config = tiny_config(tmp_path)
     config["model"]["train_text_encoder_2"] = True
