@@ -198,6 +198,9 @@ def plan_dataset(data: DataConfig, batch_size: int, world_size: int = 1,
     samples, validation, composition = compose_epoch(scan, targets, data, settings or EpochSettings())
     validation += [Sample(record, targets[len(scan.images) + i], data.validation_folder())
                    for i, record in enumerate(scan.validation)]
+    if scan.validation:
+        composition.append(f"validation: {len(scan.validation)} image(s) in data.validation_dir "
+                           f"{data.validation_dir}, never trained on")
     default_batch = data.bucket.batch_size if data.bucket.enabled else batch_size
     drop_last = data.bucket.drop_last if data.bucket.enabled else False
     sample_targets = [sample.target for sample in samples]

@@ -123,10 +123,11 @@ def plan_run(config: Config) -> RunPlan:
     if not data_plan.samples:
         folders = ", ".join(folder.image_dir for folder in config.data.folders() if not folder.is_reg)
         key = "data.subsets" if config.data.subsets else "data.image_dir"
-        skipped = data_plan.scan.skipped
-        why = "".join(f"; {path.name}: {reason}" for path, reason in skipped[:3]) + (
-            f"; and {len(skipped) - 3} more skipped" if len(skipped) > 3 else "")
-        raise ConfigError(f"{key}: no readable images found in {folders}{why}")
+        raise no_images(key, folders, data_plan.scan.skipped)
+    held_out = config.data.validation_dir
+    if held_out and not data_plan.validation:  # else val/loss would quietly be measured on training images
+        raise no_images("data.validation_dir", held_out,
+                        [(path, why) for path, why in data_plan.scan.skipped if Path(held_out) in path.parents])
     check_batches(config, data_plan)
     total_steps = count_steps(config, data_plan.batches_per_epoch)
     preflight = describe_plan(config, data_plan, total_steps)
@@ -152,6 +153,13 @@ def plan_run(config: Config) -> RunPlan:
         seed = resume.snapshot.seed if resume else config.training.seed
         preflight += f"\ntext cache: {text_cache_status(config, data_plan, seed)}"
     return RunPlan(data_plan, total_steps, prompts, preflight, soft, resume)
+
+
+def no_images(key: str, folders: str, skipped: list[tuple[Path, str]]) -> ConfigError:
+    """The error for folders that hold no usable image, with why the first few files were skipped."""
+    why = "".join(f"; {path.name}: {reason}" for path, reason in skipped[:3]) + (
+        f"; and {len(skipped) - 3} more skipped" if len(skipped) > 3 else "")
+    return ConfigError(f"{key}: no readable images found in {folders}{why}")
 
 
 def adopt(choice: ResumeChoice, config: Config, soft: dict[str, Any]) -> tuple[Resume | None, list[str]]:

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 import dataset
-from sdxl_trainer.config import Config, DataConfig, ModelConfig
+from sdxl_trainer.config import Config, ConfigError, DataConfig, ModelConfig
 from sdxl_trainer.diffusion import (
     DrawSettings,
     LossModels,
@@ -25,6 +25,7 @@ from sdxl_trainer.diffusion import (
 from sdxl_trainer.eval.evaluator import validation_batches
 from sdxl_trainer.latent_cache import LatentCache
 from sdxl_trainer.models import load_pipeline
+from sdxl_trainer.planning import plan_run
 from tests.helpers import DATA_DIR, tiny_config, train_here, write_config
 from tests.test_resume import final_weights
 
@@ -268,9 +269,19 @@ def test_a_validation_folder_is_the_validation_set(tmp_path: Path) -> None:
     held = make_folder(tmp_path / "val", 3, "val")
     plan = plan_of({"image_dir": str(DATA_DIR), "validation_dir": str(tmp_path / "val")})
     assert len(plan.samples) == 18 and sorted(s.record.path for s in plan.validation) == held
+    assert f"validation: 3 image(s) in data.validation_dir {tmp_path / 'val'}, never trained on" in plan.composition
     config = Config.model_validate(tiny_config(tmp_path))
     paths = [path for batch in validation_batches(plan, config, 0, None) for path in batch["paths"]]
     assert sorted(paths) == [str(path) for path in held]
+
+
+def test_a_validation_folder_without_usable_images_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "val").mkdir()
+    Image.new("RGB", (64, 64)).save(tmp_path / "val" / "only.bmp")  # not an image type the scan reads
+    (tmp_path / "val" / "broken.png").write_bytes(b"not a png")
+    config = Config.model_validate(tiny_config(tmp_path, data={"validation_dir": str(tmp_path / "val")}))
+    with pytest.raises(ConfigError, match=r"^data.validation_dir: no readable images found in .*val; broken.png: "):
+        plan_run(config)
 
 
 # --------------------------------------------------------------------------------------- runs
