@@ -544,8 +544,8 @@ class DataConfig(FolderOptions):
         (255, 255, 255), description="RGB colour that transparent pixels are composited onto."
     )
     max_image_pixels: PositiveInt = Field(
-        100_000_000, description="Images with more pixels are skipped (protects against decompression bombs)."
-    )
+        100_000_000, description="Images with more pixels are skipped (protects against decompression bombs); "
+        "it replaces PIL's own limit (179 MP), so it may be set above that.")
     max_caption_bytes: PositiveInt = Field(
         65_536, description="Captions longer than this (in UTF-8 bytes) are skipped with their image: CLIP reads "
         "77 tokens (a few hundred characters), and a huge file (a wrong one) would stall the pre-flight."

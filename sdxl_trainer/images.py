@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import io
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
 import numpy as np
 import torch
@@ -20,6 +23,23 @@ _ROTATED_ORIENTATIONS = {5, 6, 7, 8}
 _EXIF_ORIENTATION = 0x0112
 _SIXTEEN_BIT_MODES = {"I;16", "I;16L", "I;16B", "I;16N", "I"}
 UNREADABLE = "cannot open the file"  # the problem of a file this user may not read
+_PIL_LIMIT = threading.Lock()  # PIL's limit is a global: lifted and restored by one open at a time
+
+
+@contextmanager
+def open_image(source: Path | BinaryIO) -> Iterator[Image.Image]:
+    """`Image.open` without PIL's own decompression-bomb limit, which would refuse (or warn about)
+    an image that `data.max_image_pixels` allows: that setting guards instead, checked from the
+    header before any decode (`check_image`); only images that passed it are loaded for training.
+    The limit is restored as soon as the header is read, so other code keeps it."""
+    with _PIL_LIMIT:
+        limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None
+        try:
+            image = Image.open(source)
+        finally:
+            Image.MAX_IMAGE_PIXELS = limit
+    with image:
+        yield image
 
 
 class ImageCheck(NamedTuple):
@@ -59,15 +79,13 @@ def check_image(path: Path, max_pixels: int) -> ImageCheck:
     if not content:
         return ImageCheck(problem="empty file (0 bytes)")
     try:
-        with Image.open(io.BytesIO(content)) as image:
+        with open_image(io.BytesIO(content)) as image:
             width, height = image.size
             if width * height > max_pixels:
                 return ImageCheck(width, height)
             turned = image.getexif().get(_EXIF_ORIENTATION) in _ROTATED_ORIENTATIONS
             image.draft(image.mode, (max(1, width // 8), max(1, height // 8)))  # JPEG only; others ignore it
             image.load()  # a truncated or corrupt file fails here
-    except Image.DecompressionBombError:
-        return ImageCheck(problem="too large: refused as a possible decompression bomb")
     except UnidentifiedImageError:  # its message names the in-memory buffer, not the file
         return ImageCheck(problem="not an image (PIL recognises no image format in it)")
     except (OSError, SyntaxError, ValueError) as exc:
@@ -103,7 +121,7 @@ def load_rgb(path: Path, background: tuple[int, int, int] = (255, 255, 255)) -> 
     rather than dropped (dropping it turns transparent areas into whatever colour they hide);
     16-bit grayscale is scaled down rather than clipped; CMYK and grayscale are converted.
     """
-    with Image.open(path) as opened:
+    with open_image(path) as opened:
         image = ImageOps.exif_transpose(opened)
         gray = _gray_to_8_bit(image)
         if gray is not None:
@@ -119,7 +137,7 @@ def load_rgb(path: Path, background: tuple[int, int, int] = (255, 255, 255)) -> 
 def load_mask(path: Path, alpha: bool) -> Image.Image | None:
     """A loss mask as 8-bit grayscale with EXIF orientation applied: the alpha channel of the image
     at `path` (None when it has none: fully opaque), or the mask file at `path`."""
-    with Image.open(path) as opened:
+    with open_image(path) as opened:
         image = ImageOps.exif_transpose(opened)
         if not alpha:
             gray = _gray_to_8_bit(image)

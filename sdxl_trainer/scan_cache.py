@@ -36,6 +36,9 @@ Stamp = tuple[int, int, int]  # size, mtime_ns, inode: what must not change for 
 _STAMP_FIELDS = ("size", "mtime_ns", "inode")
 SAVE_EVERY_S = 60.0  # during a long first scan, so that a kill (not only a Ctrl-C) keeps most of it
 Verdict = tuple[int, int, str] | str  # images.inspect_image's answer
+# The problem that earlier versions cached when PIL's own pixel limit refused a file, whatever
+# data.max_image_pixels said; such an entry is inspected again under the setting.
+PIL_REFUSAL = "too large: refused as a possible decompression bomb"
 
 
 def inspect_images(paths: list[Path], max_pixels: int, cache_dir: Path | None, workers: int) -> list[Verdict]:
@@ -141,4 +144,6 @@ def _stamp(key: str) -> Stamp:
 
 
 def _hit(entry: tuple[Stamp, ImageCheck] | None, stamp: Stamp) -> ImageCheck | None:
-    return entry[1] if entry is not None and entry[0] == stamp else None
+    if entry is None or entry[0] != stamp or entry[1].problem == PIL_REFUSAL:
+        return None
+    return entry[1]

@@ -15,7 +15,7 @@ from PIL import Image
 
 from sdxl_trainer import scan_cache
 from sdxl_trainer.config import DataConfig
-from sdxl_trainer.images import check_image, inspect_image
+from sdxl_trainer.images import check_image, inspect_image, load_mask, load_rgb
 from sdxl_trainer.scan import scan_images
 from sdxl_trainer.scan_cache import cache_path, inspect_images, load
 
@@ -171,6 +171,20 @@ def test_the_pixel_limit_is_applied_anew_on_every_scan(tmp_path: Path) -> None:
     assert lowered[3] == raised[3] == (64, 96, raised[3][2])  # EXIF-rotated: the size as displayed
     rotated = inspect_images(paths, 5_000, cache, workers=1)[3]  # its message names the stored size
     assert rotated == inspect_image(paths[3], 5_000) == "too large: 96x64 is over data.max_image_pixels=5000"
+
+
+def test_max_image_pixels_is_honoured_above_pils_own_limit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 20_000)  # PIL's limit below the setting, as for a 200 MP photo
+    paths = make_folder(tmp_path / "images")
+    large = paths[4]
+    cache = tmp_path / "cache"
+    assert inspect_images(paths, 200_000, cache, workers=2)[4] == (400, 300, inspect_image(large, 200_000)[2])
+    assert load_rgb(large).size == (400, 300) and load_mask(large, alpha=False).size == (400, 300)
+    assert Image.MAX_IMAGE_PIXELS == 20_000  # lifted for our own opens only
+    data = json.loads(cache_path([str(large)], cache).read_text(encoding="utf-8"))  # as an older version wrote it
+    data["columns"]["problem"][4], data["columns"]["sha256"][4] = scan_cache.PIL_REFUSAL, None
+    cache_path([str(large)], cache).write_text(json.dumps(data), encoding="utf-8")
+    assert inspect_images(paths, 200_000, cache, workers=1)[4] == (400, 300, inspect_image(large, 200_000)[2])
 
 
 @pytest.mark.parametrize("progressive", [False, True])
