@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Iterable
 
 from .config import DataConfig
 from .scan import ImageRecord
@@ -65,6 +66,15 @@ def batch_sizes_per_bucket(targets: list[tuple[int, int]], data: DataConfig, bat
     """`per_resolution_batch_sizes` ("WxH": n) where given, else the default batch size."""
     overrides = data.bucket.per_resolution_batch_sizes
     return {target: overrides.get(f"{target[0]}x{target[1]}", batch_size) for target in set(targets)}
+
+
+def unmatched_batch_sizes(data: DataConfig, targets: Iterable[tuple[int, int]]) -> list[str]:
+    """The `per_resolution_batch_sizes` keys that name none of the run's buckets (a typo, or a
+    bucket of another `data.size`): not the listed or generated buckets, nor without buckets one of
+    the images' sizes (`targets`). Not an error: a listed bucket may just have no images."""
+    known = set(bucket_resolutions(data)) if data.bucket.enabled else set(targets)
+    return [key for key in data.bucket.per_resolution_batch_sizes
+            if tuple(int(side) for side in key.split("x")) not in known]
 
 
 def merge_small_buckets(targets: list[tuple[int, int]], batch_sizes: dict[tuple[int, int], int],

@@ -107,6 +107,7 @@ def check_output_folders(config: Config) -> None:
 
 def plan_run(config: Config) -> RunPlan:
     """The data plan, the step count, the eval prompts and the resume point, with the report."""
+    from .buckets import unmatched_batch_sizes
     from .checkpointing import choose_resume, soft_settings
     from .data_plan import EpochSettings, plan_dataset
     from .embeddings import inversion_report
@@ -134,6 +135,10 @@ def plan_run(config: Config) -> RunPlan:
     lokr_warning = lokr_load_warning(config)
     if lokr_warning:
         preflight += f"\n  warning: {lokr_warning}"
+    unmatched = unmatched_batch_sizes(config.data, data_plan.batch_sizes)
+    if unmatched:
+        preflight += (f"\n  warning: data.bucket.per_resolution_batch_sizes: {', '.join(unmatched)} "
+                      "name(s) no bucket of this run, so they set no batch size")
     tokenizer = local_tokenizer(config.model)
     preflight += "\n" + (length_report(tokenizer, config.data.max_token_length, data_plan, prompts) if tokenizer
                          else "captions: their tokens are counted once the model is loaded")

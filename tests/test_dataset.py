@@ -11,7 +11,9 @@ import pytest
 from PIL import Image
 
 import dataset
+from sdxl_trainer.buckets import unmatched_batch_sizes
 from sdxl_trainer.config import ConfigError, DataConfig, validate_config
+from sdxl_trainer.planning import plan_run
 from tests.helpers import tiny_config
 
 
@@ -118,6 +120,16 @@ def test_batches_never_mix_buckets_and_respect_sizes(tmp_path: Path) -> None:
     assert batches == list(plan.sampler(seed=3)), "same seed and epoch must give the same order"
     sampler.set_epoch(1)
     assert list(sampler) != batches
+
+
+def test_a_per_resolution_batch_size_naming_no_bucket_is_warned_about(tmp_path: Path) -> None:
+    config = tiny_config(tmp_path)
+    config["data"]["bucket"]["per_resolution_batch_sizes"] = {"96x64": 1, "96x46": 1, "64x64": 3}
+    preflight = plan_run(validate_config(config)).preflight
+    assert ("warning: data.bucket.per_resolution_batch_sizes: 96x46 name(s) no bucket of this run, so they set no "
+            "batch size") in preflight
+    config["data"]["bucket"] = {"enabled": False, "per_resolution_batch_sizes": {"64x64": 1, "1024x1024": 2}}
+    assert unmatched_batch_sizes(DataConfig(**config["data"]), [(64, 64), (96, 64)]) == ["1024x1024"]
 
 
 def test_caption_augmentation_keeps_trigger_words() -> None:
