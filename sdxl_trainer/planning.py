@@ -155,7 +155,7 @@ def plan_run(config: Config) -> RunPlan:
     resume, said = adopt(choice, config, soft)
     preflight += "".join(f"\n{line}" for line in [*said, *preflight_lines(config, resuming=resume is not None)])
     if config.data.text_cache.enabled:  # a resumed run keeps its seed, and the shuffle variants drawn from it
-        seed = resume.snapshot.seed if resume else config.training.seed
+        seed = resume.snapshot.seed if resume else config.training.seed or None  # 0 too: drawn at the start
         preflight += f"\ntext cache: {text_cache_status(config, data_plan, seed)}"
     return RunPlan(data_plan, total_steps, prompts, preflight, soft, resume)
 

@@ -14,6 +14,7 @@ import dataset
 from sdxl_trainer.captions import augment_caption, caption_variant, possible_captions
 from sdxl_trainer.config import Config
 from sdxl_trainer.models import load_pipeline, with_components
+from sdxl_trainer.planning import plan_run
 from sdxl_trainer.recorded_encoder import record_encoder
 from sdxl_trainer.text_cache import TextCache, build_text_cache, encoder_spec, run_texts
 from tests.helpers import DATA_DIR, NO_MEMORY_PLAN, tiny_config, train_here, write_config
@@ -99,6 +100,13 @@ def test_dry_run_counts_hits_and_an_edited_caption_misses_for_its_image_only(tmp
     now = texts_of(config)
     assert set(now) - set(texts) == new_texts  # the edited image's texts are the only new ones
     assert f"{2 * (len(now) - len(new_texts))} hits, {2 * len(new_texts)} misses" in edited.stdout, edited.stdout
+
+
+def test_hits_are_not_counted_under_a_seed_not_drawn_yet(tmp_path: Path) -> None:
+    config = tiny_config(tmp_path, model=FROZEN, training={"seed": 0})  # 0: drawn at random at the start
+    config["data"].update(AUGMENTED)  # the shuffle variants, and so the texts, depend on the seed
+    preflight = plan_run(Config.model_validate(config)).preflight
+    assert "texts, hits and misses are counted once the seed is drawn" in preflight
 
 
 def texts_of(config: dict) -> list[str]:
