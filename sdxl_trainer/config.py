@@ -997,7 +997,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
     """Read, override and validate a config file; every problem is a ConfigError."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8-sig")  # "UTF-8 with BOM" (Notepad) is UTF-8 too
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found (pass --config PATH)") from None
     except OSError as exc:

@@ -122,6 +122,14 @@ def test_a_key_given_twice_is_refused_not_half_dropped(tmp_path: Path) -> None:
         load_config(path)
 
 
+def test_a_config_saved_with_a_byte_order_mark_loads(tmp_path: Path) -> None:
+    """Windows editors save "UTF-8 with BOM"; json would read the mark as invalid JSON at line 1."""
+    path = tmp_path / "bom.json"
+    path.write_text(json.dumps(tiny_config(tmp_path)), encoding="utf-8-sig")
+    assert path.read_bytes().startswith(b"\xef\xbb\xbf")
+    assert load_config(path).training.num_steps == tiny_config(tmp_path)["training"]["num_steps"]
+
+
 def test_text_encoder_trained_without_its_rate_is_refused(tmp_path: Path) -> None:
     config = tiny_config(tmp_path)
     config["model"]["train_text_encoder_2"] = True
