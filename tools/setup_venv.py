@@ -3,7 +3,8 @@
     python3 tools/setup_venv.py          # runtime: torch + requirements.txt (make quickstart, docs, bench)
     python3 tools/setup_venv.py --dev    # also requirements-dev/-optimizers/-demo.txt where present (make test)
 
-Runs with the system python3 (3.10 or newer, with its venv module). Steps, each skipped when done:
+Runs with the system python3 (3.11 or newer: diffusers 0.42 needs it; with its venv module). Steps, each
+skipped when done:
 1. create .venv with this python3;
 2. install torch with pip, which honours your pip configuration: the CPU build when no CUDA GPU is
    found (nvidia-smi), the CUDA build otherwise (on Linux, PyPI's torch wheel is the CUDA build),
@@ -25,9 +26,9 @@ Environment: TORCH_BUILD=cpu|cuda overrides the detection; TORCH_INDEX_URL is pa
 import sys
 
 # Checked before anything else, so that an old Python gets this line rather than a traceback.
-if sys.version_info < (3, 10):  # noqa: UP036 (this file runs under whatever python3 the user has)
+if sys.version_info < (3, 11):  # noqa: UP036 (this file runs under whatever python3 the user has)
     sys.stderr.write(
-        "error: Python 3.10 or newer is needed, but python3 is "
+        "error: Python 3.11 or newer is needed (diffusers 0.42 requires it), but python3 is "
         + sys.version.split()[0]
         + "; install one (Debian/Ubuntu: apt-get install python3.11 python3.11-venv) and run"
         + " make again with PYTHON3=python3.11\n"
@@ -47,6 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / ".venv"
 STAMP = VENV / ".setup-stamp"
 TORCH = "torch==2.13.0"  # the version the tests run with; requirements.txt says torch>=2.4
+UV = "uv==0.13.9"  # the installer, pinned like everything else make installs
 RUNTIME = ["requirements.txt"]
 # absent ones are skipped
 DEV = ["requirements-dev.txt", "requirements-optimizers.txt", "requirements-demo.txt", "requirements-trackers.txt"]
@@ -118,10 +120,10 @@ def create_venv():
 
 
 def check_venv():
-    """The venv's python runs and is 3.10+; else one line saying to remove .venv."""
+    """The venv's python runs and is 3.11+; else one line saying to remove .venv."""
     try:
         probe = subprocess.run(
-            [str(venv_python()), "-c", "import sys; print(sys.version_info >= (3, 10))"],
+            [str(venv_python()), "-c", "import sys; print(sys.version_info >= (3, 11))"],
             capture_output=True,
             text=True,
         )
@@ -129,7 +131,7 @@ def check_venv():
     except OSError:
         ok = False
     if not ok:
-        fail(f"{VENV} is broken or older than Python 3.10: remove it (rm -rf .venv) and run make again")
+        fail(f"{VENV} is broken or older than Python 3.11: remove it (rm -rf .venv) and run make again")
 
 
 def install_torch(build, reason):
@@ -170,7 +172,7 @@ def uv_command():
     for candidate in (shutil.which("uv"), bindir / "uv"):
         if candidate and Path(candidate).exists():
             return str(candidate)
-    installed = subprocess.run([str(venv_python()), "-m", "pip", "install", "-q", "uv"], cwd=ROOT)
+    installed = subprocess.run([str(venv_python()), "-m", "pip", "install", "-q", UV], cwd=ROOT)
     return str(bindir / "uv") if installed.returncode == 0 and (bindir / "uv").exists() else None
 
 
