@@ -5,7 +5,7 @@
     python tools/pretrain_tiny_sdxl.py --stage vae-ceiling   # the judge on the VAE's reconstructions
 
 Stages, each resumable by running the command again (a stage whose output exists is skipped):
-1. vae:   the tiny VAE, from random weights, reconstructs 32² crops of world images (MSE plus a
+1. vae:   the tiny VAE, from random weights, reconstructs 64² crops of world images (MSE plus a
           tiny KL term); its scaling factor is then set so that scaled latents have unit variance.
 2. data:  PRETRAIN_IMAGES world images at 64², 96×64 and 64×96 with their captions (shapes the pretrained model
           knows: circle, square, triangle), written as an image folder the trainer reads.
