@@ -116,10 +116,10 @@ def train(config: Config, plan: RunPlan) -> int:
     try:
         while run.position.step < run.total_steps:
             for batch in epoch_batches(run):
-                loss = forward_backward(run, batch)
+                forward_backward(run, batch)
                 if not run.accelerator.sync_gradients:
                     continue  # gradients add up over training.grad_accum_steps micro-batches
-                result = optimizer_step(run, loss)
+                result = optimizer_step(run)
                 if result.verdict == ABORT:
                     return finish(run, "aborted: non-finite loss or gradients", EXIT_FAILED)
                 if result.verdict != SKIP:

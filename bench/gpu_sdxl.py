@@ -144,7 +144,8 @@ class TrainerStep:
         from sdxl_trainer.nan_guard import OK
         from sdxl_trainer.run import optimizer_step
 
-        result = optimizer_step(self.run, self.forward_backward(batch))
+        self.forward_backward(batch)
+        result = optimizer_step(self.run)
         if result.verdict != OK:
             raise RuntimeError(f"non-finite loss or gradients at step {self.run.position.step + 1}")
 

@@ -4,7 +4,8 @@ The check costs one host sync per optimizer step (the loss and the total gradien
 never one per parameter. `abort` (and `detect_anomaly`) stops with a report and saves nothing;
 `skip` drops the step — no optimizer update, optimizer state untouched — up to `max_nan_skips`
 steps in a row. In fp16 runs, non-finite gradients with a finite loss are the grad scaler's
-business (it skips the step and lowers its scale), not a NaN event.
+business (it skips the step and lowers its scale), not a NaN event. The loss checked is the mean
+of the step's micro-batch losses, so a NaN in any of them counts.
 """
 
 from __future__ import annotations

@@ -103,6 +103,7 @@ class Tally:
     """Bookkeeping between optimizer steps, log lines and epochs."""
     batch_paths: list[str] = field(default_factory=list)  # files since the last optimizer step (NaN report)
     batch_timesteps: list[int] = field(default_factory=list)
+    step_losses: list[torch.Tensor] = field(default_factory=list)  # each micro-batch's, since the last step
     logged_losses: list[torch.Tensor] = field(default_factory=list)  # since the last log line
     epoch_losses: list[torch.Tensor] = field(default_factory=list)
     rank_checks: int = 0
@@ -503,6 +504,7 @@ def forward_backward(run: Run, batch: dict) -> torch.Tensor:
         if not loss.requires_grad:
             loss = loss + zero_gradient_term(run.trainable)
         run.accelerator.backward(run.scaler.scale(loss))
+    tally.step_losses.append(loss.detach())
     tally.epoch_losses.append(loss.detach())
     return loss
 
@@ -515,10 +517,13 @@ def zero_gradient_term(trainable: Trainable) -> torch.Tensor:
     return sum(parameter.sum() for parameter in trainable.parameters()) * 0.0
 
 
-def optimizer_step(run: Run, loss: torch.Tensor) -> StepResult:
+def optimizer_step(run: Run) -> StepResult:
     """Unscale, clip, check for NaN/Inf, step. A skipped or aborted step changes no weight and
-    does not count; otherwise the LR schedule and the position advance."""
+    does not count; otherwise the LR schedule and the position advance. The loss checked and
+    logged is the mean over the step's micro-batches: a NaN in any of them is a NaN event, not
+    (under fp16) a grad-scaler overflow."""
     training, tally = run.config.training, run.tally
+    loss = torch.stack(tally.step_losses).float().mean()
     first_non_finite = None
     if run.fused:  # the tensors were stepped during backward, each after its gradient was checked
         grad_norm, first_non_finite = run.fused.finish_step()
@@ -544,7 +549,7 @@ def optimizer_step(run: Run, loss: torch.Tensor) -> StepResult:
         run.scaler.step(run.optimizer)  # the scaler itself skips steps whose fp16 gradients overflowed
     run.scaler.update()
     run.optimizer.zero_grad(set_to_none=True)
-    tally.batch_paths, tally.batch_timesteps = [], []
+    tally.batch_paths, tally.batch_timesteps, tally.step_losses = [], [], []
     if verdict != SKIP:
         run.lr_scheduler.step()
         run.position.step += 1

@@ -388,6 +388,21 @@ def test_nan_skip_continues_and_too_many_skips_abort(tmp_path: Path, tiny_sdxl_d
 
 
 @pytest.mark.slow
+def test_nan_in_an_early_micro_batch_aborts_under_fp16_accumulation(tmp_path: Path, tiny_sdxl_dir: Path,
+                                                                     monkeypatch, capsys) -> None:
+    """shape_03 is the first of step 6's two micro-batches: its NaN loss must reach the guard, not
+    pass as a grad-scaler overflow because the step's last micro-batch was finite."""
+    poisoned(monkeypatch, "shape_03")
+    config = tiny_config(tmp_path, training={"num_steps": 6, "mixed_precision": "fp16", "grad_accum_steps": 2},
+                         data={"bucket": {"resolutions": [[64, 64]], "divisible_by": 32, "batch_size": 1}})
+    assert run_in_process(tmp_path, config) == 1
+    assert "became NaN/Inf at step 6" in capsys.readouterr().err
+    summary = json.loads((tmp_path / "out" / "test_run" / "run_summary.json").read_text())
+    assert summary["status"] == "aborted: non-finite loss or gradients"
+    assert any("shape_03.png" in path for path in summary["nan_events"][0]["files"])
+
+
+@pytest.mark.slow
 def test_fp16_dora_with_a_huge_learning_rate_aborts_cleanly(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
     config = tiny_config(tmp_path, training={"num_steps": 40, "mixed_precision": "fp16", "lr_unet": 1e4,
                                              "lr_text_encoder_1": 1e4, "checkpoint_every": 1})
