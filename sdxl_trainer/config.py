@@ -336,9 +336,11 @@ class TrainingConfig(Section):
     )
     min_sigma_warmup_steps: int = Field(0, ge=0, description="Steps before `min_sigma` applies.")
     prediction_type: Literal["epsilon", "v_prediction"] | None = Field(
-        None, description="Training target; `null` = the scheduler's default."
+        None, description="Training target; `null` = the base model's scheduler's own `prediction_type`."
     )
-    zero_terminal_snr: bool = Field(False, description="Rescale betas to zero terminal SNR (for v-prediction).")
+    zero_terminal_snr: bool | None = Field(
+        None, description="Rescale betas to zero terminal SNR (for v-prediction); `null` = the base model's "
+        "scheduler's own setting (`rescale_betas_zero_snr`).")
     snr_gamma: float | None = Field(None, gt=0.0, description="Min-SNR loss weighting gamma (e.g. 5.0).")
     max_grad_norm: float | None = Field(None, gt=0.0, description="Gradient clipping per optimizer step.")
     detect_anomaly: bool = Field(False, description="Abort as soon as loss or gradients are NaN/Inf.")
@@ -366,10 +368,19 @@ class TrainingConfig(Section):
         if self.min_timestep >= self.max_timestep:
             raise _KeyError("training.min_timestep", f"({self.min_timestep}) must be below training.max_timestep "
                             f"({self.max_timestep})")
-        if self.debiased_estimation and self.zero_terminal_snr and self.prediction_type != "v_prediction":
-            raise _KeyError("training.debiased_estimation", "weighs by 1/sqrt(SNR), infinite at zero-terminal SNR's "
-                            "last timestep with an epsilon target; use v-prediction or turn one off")
+        problem = self.schedule_problem(self.prediction_type, self.zero_terminal_snr)
+        if problem:
+            raise _KeyError("training.debiased_estimation", problem)
         return self
+
+    def schedule_problem(self, prediction_type: str | None, zero_terminal_snr: bool | None) -> str | None:
+        """Why the loss weighting is infinite on this noise schedule, if it is. Checked with the
+        config's own values, then again with the base model's where they are null (run.py)."""
+        if self.debiased_estimation and zero_terminal_snr and prediction_type == "epsilon":
+            return ("weighs by 1/sqrt(SNR), infinite at zero-terminal SNR's last timestep with an epsilon target; "
+                    "use v-prediction or turn one off")
+        return None
+
     lr_warmup_steps: int = Field(0, ge=0, description="Legacy linear warmup (used when `lr_scheduler` is absent).")
     lr_scheduler: LRSchedulerConfig | None = Field(None, description="LR factor schedule.")
     ema_update_every: PositiveInt = Field(10, description="EMA update interval in steps (after warmup).")

@@ -36,15 +36,35 @@ if TYPE_CHECKING:
 
 
 def make_noise_scheduler(
-    scheduler_config: dict[str, Any], prediction_type: str | None, zero_terminal_snr: bool
+    scheduler_config: dict[str, Any], prediction_type: str | None, zero_terminal_snr: bool | None
 ) -> DDPMScheduler:
-    """A DDPM scheduler with the base model's beta schedule, for noising during training."""
+    """A DDPM scheduler with the base model's beta schedule, for noising during training. `None`
+    keeps the base scheduler's own prediction type or zero-terminal-SNR setting: a ZTSNR base
+    trains on its own schedule unless the config says otherwise."""
     from diffusers import DDPMScheduler
 
-    overrides: dict[str, Any] = {"rescale_betas_zero_snr": zero_terminal_snr}
-    if prediction_type is not None:
-        overrides["prediction_type"] = prediction_type
+    overrides = {key: value for key, value in (("prediction_type", prediction_type),
+                                               ("rescale_betas_zero_snr", zero_terminal_snr)) if value is not None}
     return DDPMScheduler.from_config(scheduler_config, **overrides)
+
+
+def training_noise_scheduler(scheduler_config: dict[str, Any], training: TrainingConfig) -> DDPMScheduler:
+    """The noise scheduler `training.*` asks for on this base model; a loss weighting that would
+    be infinite on it is a config error (the config alone cannot tell where it inherits)."""
+    from .config import ConfigError
+
+    scheduler = make_noise_scheduler(scheduler_config, training.prediction_type, training.zero_terminal_snr)
+    problem = training.schedule_problem(scheduler.config.prediction_type, scheduler.config.rescale_betas_zero_snr)
+    if problem:
+        raise ConfigError(f"training.debiased_estimation {problem} (the schedule is the base model's: "
+                          "training.prediction_type or training.zero_terminal_snr is null)")
+    return scheduler
+
+
+def describe_schedule(scheduler: DDPMScheduler) -> str:
+    """The noise schedule trained, as the start of a run prints it."""
+    zero_snr = ", zero terminal SNR" if scheduler.config.rescale_betas_zero_snr else ""
+    return f"noise schedule: {scheduler.config.prediction_type}{zero_snr}"
 
 
 def sample_noise(shape: tuple[int, ...], noise_offset: float, generator=None,

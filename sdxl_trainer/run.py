@@ -49,9 +49,10 @@ from .diffusion import (
     LossModels,
     LossSettings,
     denoising_step,
+    describe_schedule,
     diffusion_loss,
-    make_noise_scheduler,
     sample_draws,
+    training_noise_scheduler,
 )
 from .distributed import (
     check_finite_everywhere,
@@ -364,13 +365,12 @@ def setup_models(config: Config, plan: RunPlan, precision: PrecisionPlan, accele
     accelerator.print(f"attention: {set_attention(pipe.unet, config.model.attention, device.type)}")
     if plan.data is not None and local_tokenizer(config.model) is None:  # not counted in the pre-flight
         accelerator.print(length_report(pipe.tokenizer, config.data.max_token_length, plan.data, plan.prompts))
-    noise_scheduler = make_noise_scheduler(
-        pipe.scheduler.config, config.training.prediction_type, config.training.zero_terminal_snr
-    )
+    noise_scheduler = training_noise_scheduler(pipe.scheduler.config, config.training)
+    accelerator.print(describe_schedule(noise_scheduler))
     # The saved pipeline (and the single file's v_pred/ztsnr markers) must say what was trained.
     pipe.scheduler = pipe.scheduler.__class__.from_config(
         pipe.scheduler.config, prediction_type=noise_scheduler.config.prediction_type,
-        rescale_betas_zero_snr=config.training.zero_terminal_snr,
+        rescale_betas_zero_snr=noise_scheduler.config.rescale_betas_zero_snr,
     )
     cache = None
     if config.data.latent_cache.enabled and plan.data is not None:

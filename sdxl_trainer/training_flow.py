@@ -72,7 +72,7 @@ def heat_inside(heatmap: torch.Tensor, mask: Any) -> float:
 def load_flow_models(config: Config, adapter: str | Path | None = None, device: str | None = None) -> FlowModels:
     """The model as training loads it: `model.*`, with the trained adapter merged in (`adapter`:
     a run's output folder or file), placed by the precision policy on the GPU if there is one."""
-    from .diffusion import make_noise_scheduler
+    from .diffusion import training_noise_scheduler
     from .formats.adapter_files import adapter_files, load_adapter_into
     from .models import load_pipeline
     from .precision import place_pipeline, plan_precision
@@ -83,8 +83,7 @@ def load_flow_models(config: Config, adapter: str | Path | None = None, device: 
         load_adapter_into(pipe, adapter_files(adapter)[0][0])
     precision = plan_precision(config, target.type)
     place_pipeline(pipe, precision, target)
-    scheduler = make_noise_scheduler(pipe.scheduler.config, config.training.prediction_type,
-                                     config.training.zero_terminal_snr)
+    scheduler = training_noise_scheduler(pipe.scheduler.config, config.training)
     return FlowModels(config, pipe, scheduler, target, precision)
 
 

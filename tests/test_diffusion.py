@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from sdxl_trainer.conditioning import add_time_ids
-from sdxl_trainer.diffusion import make_noise_scheduler, sample_noise, training_target
+from sdxl_trainer.config import ConfigError, TrainingConfig
+from sdxl_trainer.diffusion import make_noise_scheduler, sample_noise, training_noise_scheduler, training_target
 
 SDXL_SCHEDULER = {
     "num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear",
@@ -31,6 +32,29 @@ def test_zero_terminal_snr_makes_the_last_timestep_pure_noise() -> None:
     rescaled = make_noise_scheduler(SDXL_SCHEDULER, "v_prediction", zero_terminal_snr=True)
     assert plain.alphas_cumprod[-1] > 1e-3
     assert rescaled.alphas_cumprod[-1] == pytest.approx(0.0, abs=1e-8)
+
+
+def test_a_zero_terminal_snr_base_keeps_its_schedule_unless_the_config_overrides_it() -> None:
+    """The defaults (prediction_type and zero_terminal_snr null) train a ZTSNR v-prediction base on
+    its own schedule; an explicit false still turns ZTSNR off."""
+    base = {**SDXL_SCHEDULER, "prediction_type": "v_prediction", "rescale_betas_zero_snr": True}
+    inherited = training_noise_scheduler(base, TrainingConfig())
+    assert inherited.config.prediction_type == "v_prediction" and inherited.config.rescale_betas_zero_snr
+    assert inherited.alphas_cumprod[-1] == pytest.approx(0.0, abs=1e-8)
+    overridden = training_noise_scheduler(base, TrainingConfig(zero_terminal_snr=False))
+    assert not overridden.config.rescale_betas_zero_snr and overridden.alphas_cumprod[-1] > 1e-3
+
+
+def test_debiased_estimation_is_refused_only_where_the_effective_schedule_makes_it_infinite() -> None:
+    """zero_terminal_snr true with the prediction type inherited: fine on a v-prediction base (the
+    config alone used to refuse it), a config error on an epsilon one."""
+    training = TrainingConfig(debiased_estimation=True, zero_terminal_snr=True)
+    v_base = {**SDXL_SCHEDULER, "prediction_type": "v_prediction"}
+    assert training_noise_scheduler(v_base, training).config.rescale_betas_zero_snr
+    with pytest.raises(ConfigError, match=r"training\.debiased_estimation weighs by 1/sqrt"):
+        training_noise_scheduler(SDXL_SCHEDULER, training)
+    with pytest.raises(ValueError, match="infinite at zero-terminal SNR"):
+        TrainingConfig(debiased_estimation=True, zero_terminal_snr=True, prediction_type="epsilon")
 
 
 def test_noise_offset_adds_one_value_per_image_and_channel() -> None:

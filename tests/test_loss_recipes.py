@@ -130,7 +130,8 @@ def test_input_perturbation_changes_the_noised_input_not_the_target() -> None:
 def test_recipes_that_cannot_work_are_refused(tmp_path: Path) -> None:
     for training, message in (
         ({"min_timestep": 500, "max_timestep": 400}, "min_timestep (500) must be below training.max_timestep"),
-        ({"debiased_estimation": True, "zero_terminal_snr": True}, "infinite at zero-terminal SNR"),
+        ({"debiased_estimation": True, "zero_terminal_snr": True, "prediction_type": "epsilon"},
+         "infinite at zero-terminal SNR"),
     ):
         with pytest.raises(ConfigError, match=re.escape(message)):
             validate_config(tiny_config(tmp_path, training=training))
