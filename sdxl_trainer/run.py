@@ -66,6 +66,7 @@ from .distributed import (
 from .ema import EMA
 from .embeddings import attach_tokens, set_training
 from .eval.evaluator import Evaluator, live_eval_due, make_validation, validation_batches
+from .eval.samplers import check_eval_sampler
 from .export import ExportError
 from .finite import NonFiniteWeightsError
 from .fused_backward import FusedBackward
@@ -372,6 +373,8 @@ def setup_models(config: Config, plan: RunPlan, precision: PrecisionPlan, accele
         pipe.scheduler.config, prediction_type=noise_scheduler.config.prediction_type,
         rescale_betas_zero_snr=noise_scheduler.config.rescale_betas_zero_snr,
     )
+    if plan.prompts:  # now that the schedule is known: can the eval sampler follow it?
+        check_eval_sampler(config.eval, pipe.scheduler.config)
     cache = None
     if config.data.latent_cache.enabled and plan.data is not None:
         cache = make_latent_cache(config, vae_fingerprint(pipe.vae.state_dict().values()))

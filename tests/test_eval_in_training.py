@@ -84,3 +84,15 @@ def test_eval_without_prompts_file_is_a_config_error(tmp_path: Path) -> None:
     config["eval"]["scheduler"] = "karras-ish"
     result = train_here("--config", str(write_config(tmp_path / "c.json", config)))
     assert result.returncode == 2 and "karras-ish" in result.stderr and "karras" in result.stderr
+
+
+def test_an_eval_sampler_that_cannot_follow_the_trained_zero_snr_schedule_stops_the_run_before_training(
+        tmp_path: Path) -> None:
+    config = eval_config(tmp_path, live=True)
+    config["training"].update(prediction_type="v_prediction", zero_terminal_snr=True)
+    config["eval"]["sampler_name"] = "deis"  # eval.backend "auto": diffusers (ComfyUI has no deis)
+    result = train_here("--config", str(write_config(tmp_path / "c.json", config)))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert 'error: eval.sampler_name = "deis": DEISMultistepScheduler cannot sample the zero' in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out" / "test_run" / "pytorch_lora_weights.safetensors").exists()

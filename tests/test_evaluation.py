@@ -165,6 +165,21 @@ def test_scheduler_may_name_a_diffusers_class(shared_pipe) -> None:
         check_sampler("euler", "FlowMatchEulerDiscreteScheduler")
 
 
+def test_a_sampler_that_cannot_follow_zero_terminal_snr_is_refused_not_silently_changed() -> None:
+    """DEIS, PNDM, Heun, LMS, KDPM2 and the single-step solver have no rescale_betas_zero_snr: on a
+    ZTSNR model they would sample the original schedule."""
+    zero_snr = {"num_train_timesteps": 1000, "beta_start": 0.00085, "beta_end": 0.012,
+                "beta_schedule": "scaled_linear", "prediction_type": "v_prediction", "rescale_betas_zero_snr": True}
+    assert make_eval_scheduler(zero_snr, "euler", "normal").alphas_cumprod[-1] < 1e-6
+    for sampler_name in ("deis", "pndm", "heun", "lms", "dpm_2", "dpm_2_a", "dpmpp_sde"):
+        with pytest.raises(ConfigError, match=rf'eval\.sampler_name = "{sampler_name}": .* cannot sample the zero'):
+            make_eval_scheduler(zero_snr, sampler_name, "normal")
+    with pytest.raises(ConfigError, match=r'eval\.scheduler = "HeunDiscreteScheduler": '):
+        make_eval_scheduler(zero_snr, "euler", "HeunDiscreteScheduler")
+    assert type(make_eval_scheduler({**zero_snr, "rescale_betas_zero_snr": False}, "deis", "normal")).__name__ \
+        == "DEISMultistepScheduler"
+
+
 @pytest.mark.parametrize("sampler_name", [name for name in DIFFUSERS_SAMPLERS if can_build(name)])
 def test_each_sampler_renders_a_finite_image_with_its_scheduler(shared_pipe, tmp_path: Path, sampler_name: str) -> None:
     used = []

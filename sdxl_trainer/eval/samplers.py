@@ -77,14 +77,17 @@ def scheduler_class_names() -> list[str]:
     return [member.name for member in KarrasDiffusionSchedulers]
 
 
-def check_eval_sampler(eval_config: EvalConfig) -> None:
-    """Raise a ConfigError when the `eval` block's sampler settings cannot run on its backend."""
+def check_eval_sampler(eval_config: EvalConfig, base_scheduler_config: dict[str, Any] | None = None) -> None:
+    """Raise a ConfigError when the `eval` block's sampler settings cannot run on its backend (and,
+    given the model's scheduler config, when they cannot sample its noise schedule)."""
     from .comfyui_sampling import check_comfyui_sampler, eval_backend
 
     if eval_backend(eval_config) == "kdiffusion":
         check_comfyui_sampler(eval_config.sampler_name, eval_config.scheduler, eval_config.num_inference_steps)
-    else:
+    elif base_scheduler_config is None:
         check_sampler(eval_config.sampler_name, eval_config.scheduler)
+    else:
+        make_eval_scheduler(base_scheduler_config, eval_config.sampler_name, eval_config.scheduler)
 
 
 def check_sampler(sampler_name: str, schedule: str) -> None:
@@ -96,7 +99,28 @@ def make_eval_scheduler(base_scheduler_config: dict[str, Any], sampler_name: str
     """A new scheduler for sampling: the base model's config (betas, prediction type, timestep
     spacing) with the sampler's and sigma schedule's settings on top."""
     scheduler_class, overrides = _resolve(sampler_name, schedule)
+    if base_scheduler_config.get("rescale_betas_zero_snr") and not _has_zero_snr(scheduler_class):
+        raise ConfigError(_zero_snr_refusal(scheduler_class, sampler_name, schedule))
     return scheduler_class.from_config(base_scheduler_config, **overrides)
+
+
+def _has_zero_snr(scheduler_class: type) -> bool:
+    """Whether the scheduler can rescale its betas to zero terminal SNR (others would silently
+    sample the model's original schedule)."""
+    return "rescale_betas_zero_snr" in inspect.signature(scheduler_class.__init__).parameters
+
+
+def _zero_snr_refusal(scheduler_class: type, sampler_name: str, schedule: str) -> str:
+    import diffusers
+
+    from .kdiffusion_samplers import SAMPLERS as KDIFFUSION_SAMPLERS
+
+    where = f'eval.sampler_name = "{sampler_name}"' if schedule in SIGMA_SCHEDULES else f'eval.scheduler = "{schedule}"'
+    able = [name for name, (cls, _) in SAMPLERS.items() if _has_zero_snr(getattr(diffusers, cls))]
+    return (f"{where}: {scheduler_class.__name__} cannot sample the zero-terminal-SNR schedule this model trains "
+            f'on (it has no rescale_betas_zero_snr); use eval.backend "kdiffusion" (or "auto" with a ComfyUI '
+            f"schedule) with one of {', '.join(KDIFFUSION_SAMPLERS)}, or a diffusers sampler that can: "
+            f"{', '.join(able)}")
 
 
 def _resolve(sampler_name: str, schedule: str) -> tuple[type, dict[str, Any]]:
