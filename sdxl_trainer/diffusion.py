@@ -195,11 +195,10 @@ def loss_weights(scheduler: DDPMScheduler, timesteps: torch.Tensor, settings: Lo
         return weights
     if settings.min_sigma is not None:
         ratio = torch.clamp(ratio, max=1.0 / settings.min_sigma**2)
-    clipped = torch.clamp(ratio, max=settings.snr_gamma)
     if v_prediction:
-        return weights * clipped / (ratio + 1.0)
-    # Zero-terminal-SNR schedules have SNR = 0 at the last step; keep its weight finite.
-    return weights * clipped / ratio.clamp(min=1e-8)
+        return weights * torch.clamp(ratio, max=settings.snr_gamma) / (ratio + 1.0)
+    # min(SNR, γ)/SNR, written so that zero-terminal SNR's last step (SNR = 0) gets its limit, 1.
+    return weights * torch.where(ratio < settings.snr_gamma, 1.0, settings.snr_gamma / ratio)
 
 
 def huber_c(scheduler: DDPMScheduler, timesteps: torch.Tensor, settings: LossSettings) -> torch.Tensor:

@@ -120,6 +120,11 @@ def test_min_snr_weights_equal_their_closed_form() -> None:
     assert loss_weights(epsilon, timesteps, LossSettings()) is None
     assert torch.isfinite(loss_weights(make_noise_scheduler(SDXL_SCHEDULER, "v_prediction", True),
                                        timesteps, LossSettings(gamma))).all()
+    # Zero-terminal SNR's last step has SNR 0: epsilon's min(SNR, γ)/SNR tends to 1 there (not 0).
+    last = torch.tensor([999])
+    assert loss_weights(make_noise_scheduler(SDXL_SCHEDULER, "epsilon", True), last, LossSettings(gamma)).item() == 1.0
+    assert loss_weights(make_noise_scheduler(SDXL_SCHEDULER, "v_prediction", True), last,
+                        LossSettings(gamma)).item() == 0.0  # min(0, γ)/(0 + 1)
 
 
 def test_min_sigma_needs_snr_gamma(tmp_path: Path) -> None:
