@@ -6,8 +6,9 @@ The recipes of `training.*` beyond plain MSE on uniform timesteps:
   OneTrainer and SD3 draw them) or `sigmoid` (the same with mean 0 and std `sigmoid_scale`, kohya's),
   within [`min_timestep`, `max_timestep`);
 - noise: offset noise (optionally of random strength in [0, offset), as kohya's
-  `noise_offset_random_strength`), multires/pyramid noise (kohya's `multires_noise_*`: octaves of
-  upsampled noise at a random scale of 2 to 4 each, weighted discount^i, then divided by its std),
+  `noise_offset_random_strength`), multires/pyramid noise (kohya's `multires_noise_*`: octaves
+  i = 0 … iterations − 1 of noise upsampled from a random 1/r^i of the size, r in [2, 4), weighted
+  discount^i, then divided by its std),
   input perturbation (Ning et al. 2023: the UNet input is noised with noise + γ·ξ, the target keeps
   the noise);
 - loss `l2`, `huber` (pseudo-Huber c²(√(1 + (r/c)²) − 1): r²/2 for small residuals, c·|r| for
@@ -82,14 +83,15 @@ def sample_noise(shape: tuple[int, ...], noise_offset: float, generator=None,
 
 
 def multires_noise(noise: torch.Tensor, iterations: int, discount: float, generator=None) -> torch.Tensor:
-    """One image's noise [c, h, w] plus `iterations` octaves of coarser noise upsampled
-    (bilinear) to full size, the i-th at a random 1/r^i of the size (r in [2, 4)) weighted
-    discount^i; divided by its standard deviation, so it has unit variance again."""
+    """One image's noise [c, h, w] plus `iterations` octaves of noise upsampled (bilinear) to full
+    size, the i-th (i = 0, 1, …) at a random 1/r^i of the size (r in [2, 4)) weighted discount^i —
+    octave 0 is a second full-size noise at weight 1, as in kohya's `pyramid_noise_like`; divided
+    by its standard deviation, so it has unit variance again (kohya's divides by the batch's)."""
     import torch
 
     channels, height, width = noise.shape
     noise = noise.clone()
-    for octave in range(1, iterations + 1):
+    for octave in range(iterations):
         scale = (2 + 2 * torch.rand(1, generator=generator).item()) ** octave
         small_h, small_w = max(1, int(height / scale)), max(1, int(width / scale))
         coarse = torch.randn((1, channels, small_h, small_w), generator=generator)
