@@ -614,10 +614,12 @@ def check_ranks_agree(run: Run, step: int) -> None:
 
 def end_epoch(run: Run) -> None:
     """Per-epoch loss min/mean/max, and (once) a warning when the loss stays at the level of
-    predicting nothing (a mean of 1.0 or more: the target has unit variance) after warmup."""
+    predicting nothing (a mean of 1.0 or more: the target has unit variance) after warmup. The
+    non-finite losses of skipped steps are left out: they would make every statistic NaN."""
     losses, position = run.tally.epoch_losses, run.position
-    if losses:
-        values = torch.stack(losses).float()
+    values = torch.stack(losses).float() if losses else torch.empty(0)
+    values = values[torch.isfinite(values)]
+    if values.numel():
         low, mean, high = values.min().item(), values.mean().item(), values.max().item()
         if run.writer:
             for name, value in (("min", low), ("mean", mean), ("max", high)):

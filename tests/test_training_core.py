@@ -408,6 +408,38 @@ def test_nan_in_an_early_micro_batch_aborts_under_fp16_accumulation(tmp_path: Pa
 
 
 @pytest.mark.slow
+def test_logged_losses_average_every_micro_batch_and_leave_a_skipped_nan_out(tmp_path: Path, tiny_sdxl_dir: Path,
+                                                                            monkeypatch) -> None:
+    """train/loss of a step is the mean of its micro-batches' losses (not the last one's); a skipped
+    step's NaN does not make the epoch's loss statistics NaN."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import sdxl_trainer.run as run_module
+
+    poisoned(monkeypatch, "shape_03")
+    losses: list[float] = []
+    forward_backward = run_module.forward_backward
+
+    def recorded(run, batch):
+        loss = forward_backward(run, batch)
+        losses.append(loss.item())
+        return loss
+
+    monkeypatch.setattr(run_module, "forward_backward", recorded)
+    config = tiny_config(tmp_path, training={"num_steps": 9, "grad_accum_steps": 2, "nan_policy": "skip",
+                                             "log_every": 1},
+                         data={"bucket": {"resolutions": [[64, 64]], "divisible_by": 32, "batch_size": 1}})
+    assert run_in_process(tmp_path, config) == 0
+    steps = [pair for pair in zip(losses[::2], losses[1::2], strict=True) if all(map(math.isfinite, pair))]
+    events = EventAccumulator(str(tmp_path / "tb" / "test_run"))
+    events.Reload()
+    logged = [event.value for event in events.Scalars("train/loss")]
+    assert logged == pytest.approx([sum(pair) / 2 for pair in steps[:len(logged)]], rel=1e-5) and len(logged) == 9
+    epoch = {name: events.Scalars(f"epoch/loss_{name}")[0].value for name in ("min", "mean", "max")}
+    assert all(map(math.isfinite, epoch.values())) and epoch["min"] < epoch["mean"] < epoch["max"]
+
+
+@pytest.mark.slow
 def test_fp16_dora_with_a_huge_learning_rate_aborts_cleanly(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
     config = tiny_config(tmp_path, training={"num_steps": 40, "mixed_precision": "fp16", "lr_unet": 1e4,
                                              "lr_text_encoder_1": 1e4, "checkpoint_every": 1})
