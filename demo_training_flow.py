@@ -48,7 +48,7 @@ def build_demo(models, samples: list[dict]):
     """The Gradio page over loaded models and picked samples (training_flow.load_flow_models, pick_samples)."""
     import gradio as gr
 
-    from sdxl_trainer.training_flow import forward_at
+    from sdxl_trainer.training_flow import forward_at, seed_note
 
     labels = [f"{index}: {sample['caption'][:60]}" for index, sample in enumerate(samples)]
     steps = models.scheduler.config.num_train_timesteps
@@ -69,7 +69,9 @@ def build_demo(models, samples: list[dict]):
                 gr.Dropdown(choices=found.tokens, value=found.tokens[index]))
 
     with gr.Blocks(title="SDXL training flow", analytics_enabled=False) as demo:
-        gr.Markdown("## One training forward step\nSample, timestep and token; nothing is trained.")
+        note = seed_note(models.config)
+        gr.Markdown("## One training forward step\nSample, timestep and token; nothing is trained."
+                    + (f"\n\n**Note:** {note}." if note else ""))
         with gr.Row():
             sample = gr.Dropdown(labels, value=labels[0], label="sample", elem_id="sample")
             timestep = gr.Slider(0, steps - 1, value=steps // 2, step=1, label="timestep", elem_id="timestep")

@@ -105,11 +105,19 @@ def check_output_folders(config: Config) -> None:
             raise ConfigError(f"{key}: {folder} {what} (permission denied)")
 
 
+def plan_data(config: Config, world_size: int = 1) -> DatasetPlan:
+    """The data plan training runs on: its split seed and prior-loss weight, so that the demo (which
+    plans with it too) offers the images training trains on, in training's order."""
+    from .data_plan import EpochSettings, plan_dataset
+
+    settings = EpochSettings(config.training.prior_loss_weight, split_seed=config.training.seed or 0)
+    return plan_dataset(config.data, config.training.batch_size, world_size, settings)
+
+
 def plan_run(config: Config) -> RunPlan:
     """The data plan, the step count, the eval prompts and the resume point, with the report."""
     from .buckets import unmatched_batch_sizes
     from .checkpointing import choose_resume, soft_settings
-    from .data_plan import EpochSettings, plan_dataset
     from .embeddings import inversion_report
     from .eval.evaluator import eval_prompts
     from .formats.lycoris_compat import lokr_load_warning
@@ -119,8 +127,7 @@ def plan_run(config: Config) -> RunPlan:
 
     prompts = eval_prompts(config)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch / torchrun
-    settings = EpochSettings(config.training.prior_loss_weight, split_seed=config.training.seed or 0)
-    data_plan = plan_dataset(config.data, config.training.batch_size, world_size, settings)
+    data_plan = plan_data(config, world_size)
     if not data_plan.samples:
         folders = ", ".join(folder.image_dir for folder in config.data.folders() if not folder.is_reg)
         key = "data.subsets" if config.data.subsets else "data.image_dir"

@@ -87,14 +87,29 @@ def load_flow_models(config: Config, adapter: str | Path | None = None, device: 
     return FlowModels(config, pipe, scheduler, target, precision)
 
 
-def pick_samples(config: Config, count: int) -> list[dict]:
-    """The first `count` images of the data, each as training renders it at epoch 0 (bucket,
-    crop, flip and caption transforms from the same code and seed)."""
-    from .data import ImageCaptionDataset
-    from .data_plan import plan_dataset
+def flow_seed(config: Config) -> int:
+    """`training.seed`; where it is null or 0 training draws one at random, and the page shows seed 0's
+    draws instead (it says so: `seed_note`)."""
+    return config.training.seed or 0
 
-    plan = plan_dataset(config.data, config.training.batch_size)
-    dataset = ImageCaptionDataset(plan.samples, config.data, config.training.seed or 0)
+
+def seed_note(config: Config) -> str:
+    """What the page says about whose draws it shows, where training's seed is not known in advance."""
+    if config.training.seed:
+        return ""
+    return ("training.seed is null or 0, so training draws a random seed: the flip, crop, caption, timestep and "
+            "noise shown are seed 0's, not the run's (set training.seed to see a run's own)")
+
+
+def pick_samples(config: Config, count: int) -> list[dict]:
+    """The first `count` images of training's data plan (its validation split held out, in its order),
+    each as training renders it at epoch 0 (bucket, crop, flip and caption transforms from the same
+    code and seed)."""
+    from .data import ImageCaptionDataset
+    from .planning import plan_data
+
+    plan = plan_data(config)
+    dataset = ImageCaptionDataset(plan.samples, config.data, flow_seed(config))
     return [dataset[(index, 0)] for index in range(min(count, len(plan.samples)))]
 
 
@@ -172,7 +187,7 @@ def forward_at(models: FlowModels, sample: dict, timestep: int) -> FlowResult:
     config, pipe, scheduler, device = models.config, models.pipe, models.scheduler, models.device
     batch = collate([sample])
     height, width = batch["target_sizes"][0].tolist()
-    draws = sample_draws(batch["keys"], config.training.seed or 0, (1, pipe.unet.config.in_channels, height // 8,
+    draws = sample_draws(batch["keys"], flow_seed(config), (1, pipe.unet.config.in_channels, height // 8,
                          width // 8), DrawSettings.of(config.training, scheduler.config.num_train_timesteps))
     draws.timesteps = torch.tensor([timestep])
     with torch.no_grad():

@@ -4,8 +4,10 @@ driven in a real browser (Debian's chromium and chromium-driver, with selenium).
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -92,6 +94,32 @@ def test_heatmaps_have_the_images_aspect_and_are_normalised(flow) -> None:
     other = forward_at(models, samples[1], 900)
     assert np.array_equal(other.input_image, result.input_image)
     assert not np.array_equal(other.noisy_image, result.noisy_image) and result.loss != other.loss
+
+
+def test_the_offered_samples_are_trainings_with_a_validation_split(tmp_path: Path) -> None:
+    """The demo plans the data as training does: held-out images are not offered, and sample i is
+    training's sample i (the split comes from training.seed, 42 in the quickstart)."""
+    from sdxl_trainer.planning import plan_run
+
+    config = load_config(ROOT / "configs" / "quickstart.json", [
+        f"data.image_dir={json.dumps(str(ROOT / 'data' / 'images'))}", "data.validation_split=0.3",
+        f"data.scan_cache_dir={json.dumps(str(tmp_path / 'scan'))}"])
+    plan = plan_run(config).data
+    offered = [Path(sample["path"]) for sample in pick_samples(config, len(plan.samples))]
+    assert plan.validation and offered == [sample.record.path for sample in plan.samples]
+
+
+def test_the_page_says_whose_draws_it_shows_when_training_draws_a_random_seed(flow) -> None:
+    pytest.importorskip("gradio")
+    import demo_training_flow
+
+    models, samples = flow
+    texts = {}
+    for seed in (42, None):
+        page = demo_training_flow.build_demo(replace(models, config=models.config.model_copy(
+            update={"training": models.config.training.model_copy(update={"seed": seed})})), samples)
+        texts[seed] = " ".join(str(getattr(block, "value", "")) for block in page.blocks.values())
+    assert "seed 0's" in texts[None] and "seed 0's" not in texts[42]
 
 
 def test_the_page_answers_gradio_client(flow) -> None:
