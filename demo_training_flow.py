@@ -101,10 +101,10 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         config = load_config(args.config)
-        samples = pick_samples(config, args.samples)
+        models = load_flow_models(config, args.adapter)
+        samples = pick_samples(models, args.samples)
         if not samples:
             raise ConfigError(f"data.image_dir = {config.data.image_dir!r}: no readable images found")
-        models = load_flow_models(config, args.adapter)
     except (ConfigError, AdapterFileError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +25,8 @@ from .eval.sigma_schedules import ZERO_SNR_LAST_ALPHA_BAR
 if TYPE_CHECKING:
     from diffusers import DDPMScheduler, StableDiffusionXLPipeline
 
+    from .data_plan import DatasetPlan
+    from .latent_cache import LatentCache
     from .precision import PrecisionPlan
 
 
@@ -101,16 +103,36 @@ def seed_note(config: Config) -> str:
             "noise shown are seed 0's, not the run's (set training.seed to see a run's own)")
 
 
-def pick_samples(config: Config, count: int) -> list[dict]:
+def pick_samples(models: FlowModels, count: int) -> list[dict]:
     """The first `count` images of training's data plan (its validation split held out, in its order),
     each as training renders it at epoch 0 (bucket, crop, flip and caption transforms from the same
-    code and seed)."""
+    code and seed). With the latent cache on, their latents are training's too: the dataset samples
+    them from the cached distributions as it does in training, and the pixels stay, to be shown."""
     from .data import ImageCaptionDataset
     from .planning import plan_data
 
+    config = models.config
     plan = plan_data(config)
-    dataset = ImageCaptionDataset(plan.samples, config.data, flow_seed(config))
-    return [dataset[(index, 0)] for index in range(min(count, len(plan.samples)))]
+    keys = [(index, 0) for index in range(min(count, len(plan.samples)))]
+    samples = [ImageCaptionDataset(plan.samples, config.data, flow_seed(config))[key] for key in keys]
+    if not config.data.latent_cache.enabled:
+        return samples
+    cached = ImageCaptionDataset(plan.samples, config.data, flow_seed(config), latent_cache(models, plan, len(keys)))
+    return [{**sample, **cached[key]} for sample, key in zip(samples, keys, strict=True)]
+
+
+def latent_cache(models: FlowModels, plan: DatasetPlan, count: int) -> LatentCache:
+    """Training's latent cache for this VAE, holding the views of the plan's first `count` samples
+    (those missing are encoded and stored as training stores them)."""
+    from .data import build_latent_cache
+    from .latent_cache import vae_fingerprint
+    from .planning import make_latent_cache
+
+    vae = models.pipe.vae
+    cache = make_latent_cache(models.config, vae_fingerprint(vae.state_dict().values()))
+    build_latent_cache(replace(plan, samples=plan.samples[:count], validation=[]), models.config.data, cache, vae,
+                       models.device)
+    return cache
 
 
 def predicted_original(scheduler: DDPMScheduler, noisy: torch.Tensor, output: torch.Tensor,

@@ -29,9 +29,12 @@ from tests.test_training_core import SDXL_SCHEDULER
 
 @pytest.fixture(scope="module")
 def flow(tiny_sdxl_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    caches = tmp_path_factory.mktemp("flow-caches")
     config = load_config(ROOT / "configs" / "quickstart.json",
-                         [f"data.image_dir={ROOT / 'data' / 'images'}"])
-    return load_flow_models(config), pick_samples(config, 3)
+                         [f"data.image_dir={ROOT / 'data' / 'images'}",
+                          f"data.latent_cache.cache_dir={json.dumps(str(caches / 'latents'))}"])
+    models = load_flow_models(config)
+    return models, pick_samples(models, 3)
 
 
 @pytest.mark.parametrize("prediction", ["epsilon", "v_prediction"])
@@ -96,16 +99,17 @@ def test_heatmaps_have_the_images_aspect_and_are_normalised(flow) -> None:
     assert not np.array_equal(other.noisy_image, result.noisy_image) and result.loss != other.loss
 
 
-def test_the_offered_samples_are_trainings_with_a_validation_split(tmp_path: Path) -> None:
+def test_the_offered_samples_are_trainings_with_a_validation_split(flow, tmp_path: Path) -> None:
     """The demo plans the data as training does: held-out images are not offered, and sample i is
     training's sample i (the split comes from training.seed, 42 in the quickstart)."""
     from sdxl_trainer.planning import plan_run
 
     config = load_config(ROOT / "configs" / "quickstart.json", [
         f"data.image_dir={json.dumps(str(ROOT / 'data' / 'images'))}", "data.validation_split=0.3",
-        f"data.scan_cache_dir={json.dumps(str(tmp_path / 'scan'))}"])
+        f"data.scan_cache_dir={json.dumps(str(tmp_path / 'scan'))}", "data.latent_cache.enabled=false"])
     plan = plan_run(config).data
-    offered = [Path(sample["path"]) for sample in pick_samples(config, len(plan.samples))]
+    models = replace(flow[0], config=config)
+    offered = [Path(sample["path"]) for sample in pick_samples(models, len(plan.samples))]
     assert plan.validation and offered == [sample.record.path for sample in plan.samples]
 
 
@@ -227,9 +231,11 @@ def world_flow(tiny_sdxl_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         masks[f"{index:02d}"] = (scene, mask)
     config = load_config(ROOT / "configs" / "quickstart.json", [
         f"data.image_dir={json.dumps(str(folder))}", "data.caption_dropout_prob=0.0",
-        f"data.scan_cache_dir={json.dumps(str(folder.parent / 'scan'))}"])
-    samples = pick_samples(config, WORLD_SCENES)
-    return load_flow_models(config), [(sample, *masks[Path(sample["path"]).stem]) for sample in samples]
+        f"data.scan_cache_dir={json.dumps(str(folder.parent / 'scan'))}",
+        f"data.latent_cache.cache_dir={json.dumps(str(folder.parent / 'latents'))}"])
+    models = load_flow_models(config)
+    samples = pick_samples(models, WORLD_SCENES)
+    return models, [(sample, *masks[Path(sample["path"]).stem]) for sample in samples]
 
 
 WORLD_SCENES = 8
@@ -264,11 +270,13 @@ def test_the_x0_estimate_is_close_to_the_clean_image_and_degrades_with_noise(wor
 
 
 @pytest.mark.slow
-def test_the_demos_loss_is_the_training_steps_loss_on_a_masked_weighted_subset(tiny_sdxl_dir: Path,
-                                                                                tmp_path: Path) -> None:
+@pytest.mark.parametrize("latent_cache", [False, True])
+def test_the_demos_loss_is_the_training_steps_loss_on_a_masked_weighted_subset(tiny_sdxl_dir: Path, tmp_path: Path,
+                                                                                latent_cache: bool) -> None:
     """Training's own step (`run.forward_backward`, its data loader and draws) and the demo on the
     same sample at the timestep training drew: the same loss to the bit, with the image's mask,
-    its subset's loss weight and min-SNR's timestep weight all in it."""
+    its subset's loss weight and min-SNR's timestep weight all in it; with the latent cache on, from
+    the latent training samples from the cached distribution (not the image encoded anew)."""
     from sdxl_trainer.config import validate_config
     from sdxl_trainer.planning import plan_run
     from sdxl_trainer.run import epoch_batches, forward_backward, start_run
@@ -280,7 +288,8 @@ def test_the_demos_loss_is_the_training_steps_loss_on_a_masked_weighted_subset(t
                            training={"lr_text_encoder_1": None, "snr_gamma": 5.0, "tensorboard": {"enabled": False}},
                            data={"subsets": [{"image_dir": str(tmp_path / "masked"), "alpha_mask": True,
                                               "loss_weight": 0.5}],
-                                 "latent_cache": {"enabled": False}, "text_cache": {"enabled": False},
+                                 "latent_cache": {"enabled": latent_cache, "cache_dir": str(tmp_path / "latents")},
+                                 "text_cache": {"enabled": False},
                                  "bucket": {"resolutions": [[64, 64]], "divisible_by": 32, "batch_size": 1}})
     del settings["data"]["image_dir"]
     config = validate_config(settings)
@@ -294,6 +303,7 @@ def test_the_demos_loss_is_the_training_steps_loss_on_a_masked_weighted_subset(t
     assert "masks" in batch and 0 < float(batch["masks"].mean()) < 1 and batch["loss_weights"].tolist() == [0.5]
     (index, epoch), timestep = batch["keys"][0], run.tally.batch_timesteps[0]
     assert epoch == 0
-    result = forward_at(load_flow_models(config), pick_samples(config, index + 1)[index], timestep)
+    models = load_flow_models(config)
+    result = forward_at(models, pick_samples(models, index + 1)[index], timestep)
     assert result.loss == float(loss.detach())
     assert result.sample_loss != result.loss  # the weights are in it, as in training
