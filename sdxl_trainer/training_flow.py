@@ -184,12 +184,21 @@ def token_heatmaps(records: list[torch.Tensor], latent_size: tuple[int, int], to
     height, width = latent_size
     finest = max(record.shape[1] for record in records)
     maps = torch.stack([record[0] for record in records if record.shape[1] == finest]).mean(0)  # [pos, tokens]
-    scale = round((height * width / finest) ** 0.5)
-    grid = maps[:, :token_count].T.reshape(token_count, height // scale, width // scale)
+    grid = maps[:, :token_count].T.reshape(token_count, *attention_grid(latent_size, finest))
     grid = torch.nn.functional.interpolate(grid[None], size=(height, width), mode="bilinear")[0]
     words = grid[1:]
     normalised = torch.cat([grid[:1] / grid[:1].max().clamp(min=1e-12), words / words.max().clamp(min=1e-12)])
     return normalised.clamp(0, 1)
+
+
+def attention_grid(latent_size: tuple[int, int], positions: int) -> tuple[int, int]:
+    """The (h, w) of an attention layer with `positions` image positions: each stride-2 conv of the
+    UNet rounds an odd side up, so a 17-latent side gives 9, then 5 (not 17 // 2, 17 // 4)."""
+    height, width = latent_size
+    scale = 1
+    while math.ceil(height / scale) * math.ceil(width / scale) > positions:
+        scale *= 2
+    return math.ceil(height / scale), math.ceil(width / scale)
 
 
 def caption_tokens(pipe: StableDiffusionXLPipeline, caption: str) -> list[str]:

@@ -126,6 +126,19 @@ def test_the_page_says_whose_draws_it_shows_when_training_draws_a_random_seed(fl
     assert "seed 0's" in texts[None] and "seed 0's" not in texts[42]
 
 
+def test_heatmaps_at_an_odd_latent_side(flow) -> None:
+    """A 136 px bucket gives 17 latents a side, and the UNet's stride-2 convs 9 then 5 attention
+    positions a side (rounded up): the heatmaps still come at the latent size."""
+    models, _ = flow
+    config = models.config.model_copy(update={"data": models.config.data.model_copy(update={
+        "size": 136, "bucket": models.config.data.bucket.model_copy(update={"resolutions": [(136, 136)],
+                                                                         "divisible_by": 8})})})
+    odd = replace(models, config=config)
+    result = forward_at(odd, pick_samples(odd, 1)[0], 500)
+    assert result.heatmaps.shape == (len(result.tokens), 17, 17)
+    assert torch.isfinite(result.heatmaps).all() and result.heatmaps[1:].amax().item() == pytest.approx(1.0)
+
+
 def test_the_page_answers_gradio_client(flow) -> None:
     pytest.importorskip("gradio")
     from gradio_client import Client
