@@ -26,7 +26,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="demo_training_flow.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="config.json", help="training config (default: ./config.json)")
     parser.add_argument("--samples", type=int, default=3, help="how many images of the data to offer (default 3)")
-    parser.add_argument("--adapter", default=None, help="a run's output folder or adapter file to apply")
+    parser.add_argument("--adapter", default=None, help="a run's output folder or adapter file to apply "
+                        "(and its textual-inversion embedding files)")
     parser.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=7860, help="port (default 7860)")
     return parser.parse_args(argv)

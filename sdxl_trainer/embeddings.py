@@ -163,26 +163,26 @@ def attach_tokens(pipe, config: Config, resume_folder: Path | None) -> TokenSet 
     return tokens
 
 
-def load_embedding_files(tokens: TokenSet, folder: Path) -> None:
+def load_embedding_files(tokens: TokenSet, folder: Path, key: str = "training.resume_from") -> None:
     """Put the vectors of a checkpoint's embedding files back; a missing file or one of another
-    shape (another model, another `vectors`) is a ConfigError naming it."""
+    shape (another model, another `vectors`) is a ConfigError naming it (and `key`, where it came from)."""
     from safetensors.torch import load_file
 
     start = 0
     for new in tokens.settings.tokens:
         path = folder / f"{file_stem(new.token)}.safetensors"
         if not path.is_file():
-            raise ConfigError(f"training.resume_from: no {path.name} in {folder} (the embedding of {new.token!r})")
+            raise ConfigError(f"{key}: no {path.name} in {folder} (the embedding of {new.token!r})")
         saved = load_file(path)
-        for name, (_, key) in ENCODERS.items():
+        for name, (_, name_key) in ENCODERS.items():
             table = tokens.tables[name].new
             expected = (new.vectors, table.shape[1])
-            if key not in saved or tuple(saved[key].shape) != expected:
-                found = tuple(saved[key].shape) if key in saved else "no such tensor"
-                raise ConfigError(f"training.resume_from: {path}: {key} is {found}, this run's {new.token!r} "
+            if name_key not in saved or tuple(saved[name_key].shape) != expected:
+                found = tuple(saved[name_key].shape) if name_key in saved else "no such tensor"
+                raise ConfigError(f"{key}: {path}: {name_key} is {found}, this run's {new.token!r} "
                                   f"needs {expected} (vectors, width)")
             with torch.no_grad():
-                table[start:start + new.vectors] = saved[key].to(table.dtype)
+                table[start:start + new.vectors] = saved[name_key].to(table.dtype)
         start += new.vectors
 
 

@@ -73,18 +73,28 @@ def heat_inside(heatmap: torch.Tensor, mask: Any) -> float:
 
 def load_flow_models(config: Config, adapter: str | Path | None = None, device: str | None = None) -> FlowModels:
     """The model as training loads it: `model.*`, with the trained adapter merged in (`adapter`:
-    a run's output folder or file), placed by the precision policy on the GPU if there is one."""
+    a run's output folder or file), placed by the precision policy on the GPU if there is one, and
+    the new tokens of textual inversion / pivotal tuning added (with the run's vectors when given)."""
     from .diffusion import training_noise_scheduler
+    from .embeddings import attach_tokens, load_embedding_files
     from .formats.adapter_files import adapter_files, load_adapter_into
     from .models import load_pipeline
     from .precision import place_pipeline, plan_precision
 
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     pipe = load_pipeline(config.model)
-    if adapter is not None:  # the diffusers/peft file where a folder holds both formats
-        load_adapter_into(pipe, adapter_files(adapter)[0][0])
+    folder = None if adapter is None else Path(adapter) if Path(adapter).is_dir() else Path(adapter).parent
+    # textual inversion alone writes embedding files only, no adapter file
+    inversion_only = config.textual_inversion.tokens and not config.textual_inversion.train_adapter
+    if adapter is not None and not inversion_only:  # the diffusers/peft file where a folder holds both formats
+        found = adapter_files(adapter)[0][0]
+        load_adapter_into(pipe, found)
+        folder = found.parent  # a checkpoint's, where the output folder has no final adapter
     precision = plan_precision(config, target.type)
     place_pipeline(pipe, precision, target)
+    tokens = attach_tokens(pipe, config, None)  # after placing, as training attaches them
+    if tokens and folder is not None:
+        load_embedding_files(tokens, folder, "--adapter")
     scheduler = training_noise_scheduler(pipe.scheduler.config, config.training)
     return FlowModels(config, pipe, scheduler, target, precision)
 

@@ -139,6 +139,27 @@ def test_heatmaps_at_an_odd_latent_side(flow) -> None:
     assert torch.isfinite(result.heatmaps).all() and result.heatmaps[1:].amax().item() == pytest.approx(1.0)
 
 
+def test_textual_inversion_tokens_are_added_and_a_runs_vectors_loaded(tiny_sdxl_dir: Path, tmp_path: Path) -> None:
+    """A textual-inversion config: the page conditions on the new token (not on pieces of the base
+    vocabulary), and `--adapter` (a run's folder, which holds embedding files only) loads its vectors."""
+    from sdxl_trainer.embeddings import TokenSet, save_embedding_files
+    from sdxl_trainer.training_flow import caption_tokens
+
+    config = load_config(ROOT / "configs" / "textual_inversion.json", [
+        f"data.image_dir={json.dumps(str(ROOT / 'data' / 'images'))}", "data.latent_cache.enabled=false",
+        f"data.scan_cache_dir={json.dumps(str(tmp_path / 'scan'))}"])
+    base = load_flow_models(config, device="cpu")
+    assert "<shapes>" in caption_tokens(base.pipe, pick_samples(base, 1)[0]["caption"])
+    tables = {name: getattr(base.pipe, name).get_input_embeddings() for name in ("text_encoder", "text_encoder_2")}
+    with torch.no_grad():
+        for table in tables.values():
+            table.new.normal_(generator=torch.Generator().manual_seed(1))
+    save_embedding_files(TokenSet(config.textual_inversion, tables), tmp_path / "run")
+    trained = load_flow_models(config, tmp_path / "run", device="cpu")
+    for name, table in tables.items():
+        assert torch.equal(getattr(trained.pipe, name).get_input_embeddings().new, table.new)
+
+
 def test_the_page_answers_gradio_client(flow) -> None:
     pytest.importorskip("gradio")
     from gradio_client import Client
