@@ -61,13 +61,15 @@ def build_demo(models, samples: list[dict]):
             results[key] = forward_at(models, samples[key[0]], key[1])
         return results[key]
 
-    def render(label: str, timestep: float, token: str | None):
+    def render(label: str, timestep: float, token: int | None):
+        """`token` is a position in the caption (a piece may occur twice, each with its own heatmap)."""
         found = result(label, timestep)
-        index = found.tokens.index(token) if token in found.tokens else 1
+        index = token if isinstance(token, int) and 0 <= token < len(found.tokens) else 1
         return (found.input_image, found.noisy_image, found.predicted_image,
                 heatmap_overlay(found.input_image, found.heatmaps[index]),
                 f"timestep {found.timestep}: loss {found.loss:.4f} (unweighted {found.sample_loss:.4f})",
-                gr.Dropdown(choices=found.tokens, value=found.tokens[index]))
+                gr.Dropdown(choices=[(f"{position}: {piece}", position) for position, piece in enumerate(found.tokens)],
+                            value=index))
 
     with gr.Blocks(title="SDXL training flow", analytics_enabled=False) as demo:
         note = seed_note(models.config)

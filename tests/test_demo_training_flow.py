@@ -184,6 +184,31 @@ def test_the_page_answers_gradio_client(flow) -> None:
     assert Path(first[1]).read_bytes() != Path(later[1]).read_bytes()  # x_t changes with the timestep
 
 
+def test_a_repeated_piece_of_the_caption_has_its_own_heatmap(flow) -> None:
+    """The token dropdown chooses by position: the second 'cross' of the caption shows its own map."""
+    pytest.importorskip("gradio")
+    from gradio_client import Client
+
+    import demo_training_flow
+
+    models, samples = flow
+    sample = {**samples[0], "caption": "a cross and a cross"}
+    demo = demo_training_flow.build_demo(models, [sample])
+    port = free_port()
+    demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True)
+    try:
+        client = Client(f"http://127.0.0.1:{port}/", verbose=False)
+        label = f"0: {sample['caption']}"
+        client.predict(label, 300, None, api_name="/render")  # the page's first render fills the choices
+        first, second = (client.predict(label, 300, position, api_name="/render") for position in (2, 5))
+    finally:
+        demo.close()
+    tokens = forward_at(models, sample, 300).tokens
+    assert tokens[2] == tokens[5] == "cross"
+    assert first[5]["value"] == 2 and second[5]["value"] == 5 and second[5]["choices"][5] == ["5: cross", 5]
+    assert Path(first[3]).read_bytes() != Path(second[3]).read_bytes()
+
+
 @pytest.mark.slow
 def test_a_real_browser_drives_the_page(flow, tmp_path: Path) -> None:
     """Headless chromium: choose a sample, move the timestep, pick a token; the images change."""
