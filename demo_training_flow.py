@@ -22,10 +22,19 @@ EXIT_OK, EXIT_USAGE = 0, 2
 COLUMNS = ("training input", "x_t (noised)", "x0 predicted", "cross-attention")
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (else argparse's usage error, exit 2)."""
+    value = int(text)  # not a number: argparse's own "invalid positive_int value"
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return value
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="demo_training_flow.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default="config.json", help="training config (default: ./config.json)")
-    parser.add_argument("--samples", type=int, default=3, help="how many images of the data to offer (default 3)")
+    parser.add_argument("--samples", type=positive_int, default=3,
+                        help="how many images of the data to offer (default 3)")
     parser.add_argument("--adapter", default=None, help="a run's output folder or adapter file to apply "
                         "(and its textual-inversion embedding files)")
     parser.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")

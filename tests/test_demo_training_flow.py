@@ -209,6 +209,15 @@ def test_a_repeated_piece_of_the_caption_has_its_own_heatmap(flow) -> None:
     assert Path(first[3]).read_bytes() != Path(second[3]).read_bytes()
 
 
+@pytest.mark.parametrize("samples", ["0", "-2"])
+def test_a_sample_count_below_one_is_a_usage_error(samples: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import demo_training_flow
+
+    with pytest.raises(SystemExit) as exited:
+        demo_training_flow.main(["--config", "nothing.json", "--samples", samples])
+    assert exited.value.code == 2 and "at least 1" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_a_real_browser_drives_the_page(flow, tmp_path: Path) -> None:
     """Headless chromium: choose a sample, move the timestep, pick a token; the images change."""
