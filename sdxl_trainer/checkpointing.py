@@ -25,6 +25,7 @@ from . import outputs
 from .adapter_kinds import ADAPTER_KINDS
 from .atomic import atomic_dir, atomic_path
 from .config import Config, ConfigError
+from .lr_schedule import schedule_settings
 
 if TYPE_CHECKING:
     from diffusers import StableDiffusionXLPipeline
@@ -93,6 +94,7 @@ def soft_settings(config: Config, data_plan, total_steps: int) -> dict[str, Any]
         "batch_sizes": sorted(f"{w}x{h}:{n}" for (w, h), n in data_plan.batch_sizes.items()),
         "grad_accum_steps": config.training.grad_accum_steps,
         "total_steps": total_steps,
+        "lr_scheduler": schedule_settings(config.training).model_dump(),
     }
 
 
@@ -103,19 +105,21 @@ SOFT_CHANGE_EFFECTS = {
                    "are seen twice or skipped in this epoch",
     "grad_accum_steps": "the gradient accumulation changed: the effective batch size differs from here on",
     "total_steps": "the run length changed: the LR schedule follows the new length from here on",
+    "lr_scheduler": "the LR schedule changed: the learning rate follows the new schedule from here on",
 }
 
 
 def check_compatible(saved: SavedState, config: Config, soft: dict[str, Any]) -> list[str]:
     """Raise a ConfigError naming every setting that differs from the saved run and would
-    change what the weights mean; return warnings for the settings that may change."""
+    change what the weights mean; return warnings for the settings that may change (those the
+    saved run recorded: a state saved before a setting was recorded does not warn about it)."""
     current = identity(config)
     differences = [f"{key}: {saved.identity.get(key)!r} then, {value!r} now"
                    for key, value in current.items() if saved.identity.get(key) != value]
     if differences:
         raise ConfigError("cannot resume: the run differs in " + "; ".join(differences))
     return [f"{key} changed: {SOFT_CHANGE_EFFECTS[key]}" for key, value in soft.items()
-            if saved.soft.get(key) != value]
+            if key in saved.soft and saved.soft[key] != value]
 
 
 # ------------------------------------------------------------------------------- RNG state

@@ -140,8 +140,10 @@ def apply_configured_settings(optimizer: Any, scheduler: Any, configured: list[d
     the LR schedule its base rates; users lower a rate mid-run to tame a divergence, so what the
     config says now wins. `configured` are the param groups as built from the config (before the
     state was loaded). Only the keys the config sets are taken: an optimizer's own running values
-    in its groups (Prodigy's d, schedule-free's weight sum) stay as restored. Returns one line per
-    change, "name key: old → new".
+    in its groups (Prodigy's d, schedule-free's weight sum) stay as restored. Every group's rate is
+    then the schedule's for the step resumed at: a changed run length or schedule counts from the
+    first step on (unchanged, it is the restored rate, computed alike). Returns one line per change,
+    "name key: old → new".
     """
     scheduler = getattr(scheduler, "scheduler", scheduler)  # accelerate's wrapper holds the LambdaLR
     keys = set(own_defaults(config, config.type, 0)) | set(config.args)
@@ -156,7 +158,7 @@ def apply_configured_settings(optimizer: Any, scheduler: Any, configured: list[d
         if old_base != new_base:
             changes.append(f"{name} learning rate: {old_base:g} → {new_base:g}")
             scheduler.base_lrs[index] = group["initial_lr"] = new_base
-            group["lr"] = new_base * scheduler.lr_lambdas[index](scheduler.last_epoch)
+        group["lr"] = new_base * scheduler.lr_lambdas[index](scheduler.last_epoch)
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
     return changes
 

@@ -177,10 +177,15 @@ def test_a_repeated_signal_is_one_request_and_a_later_press_exits_at_once(monkey
 
 @pytest.mark.slow
 def test_resume_refuses_another_rank_and_warns_about_another_length(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
+    """A longer run resumed from a shorter one's checkpoint-2 is the straight longer run: with a
+    warmup of 1 step both schedules' first two factors are 0 and 1, and from the first step after
+    the resume the rate is the new schedule's (not the one the checkpoint was saved with)."""
     config = tiny_config(tmp_path, training={"num_steps": 4, "checkpoint_every": 2,
                                              "lr_scheduler": {"type": "linear_decay", "warmup_steps": 1}})
     path = write_config(tmp_path / "c.json", config)
     assert train_here("--config", str(path)).returncode == 0
+    straight = train_here("--config", str(path), "--set", "training.num_steps=8", "--set", "run.name=straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
     checkpoint = tmp_path / "out" / "test_run" / "checkpoints" / "checkpoint-2"
 
     other_rank = train_here("--config", str(path), "--set", f"training.resume_from={checkpoint}",
@@ -201,6 +206,13 @@ def test_resume_refuses_another_rank_and_warns_about_another_length(tmp_path: Pa
     first = load_file(tmp_path / "out" / "longer" / "pytorch_lora_weights.safetensors")
     second = load_file(tmp_path / "out" / "again" / "pytorch_lora_weights.safetensors")
     assert all(torch.equal(first[key], second[key]) for key in first)
+    eight = load_file(tmp_path / "out" / "straight" / "pytorch_lora_weights.safetensors")
+    assert [key for key in first if not torch.equal(first[key], eight[key])] == []
+
+    other_schedule = train_here("--config", str(path), "--set", f"training.resume_from={checkpoint}", "--set",
+                                'training.lr_scheduler={"type": "cosine_decay"}', "--dry-run", *NO_MEMORY_PLAN)
+    assert other_schedule.returncode == 0, other_schedule.stderr[-3000:]
+    assert "warning: lr_scheduler changed: the LR schedule changed" in other_schedule.stdout
 
 
 @pytest.mark.slow
