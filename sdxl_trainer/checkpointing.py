@@ -258,9 +258,10 @@ class ResumeChoice:
 
 def choose_resume(config: Config, total_steps: int) -> ResumeChoice:
     """Where to resume from: `resume_from` is None (a new run), an output or checkpoint folder, or
-    "latest": nothing to do when the run completed `total_steps`, else the newest intact checkpoint
-    of this run (a damaged newer one is passed over and named), or a new run while there is none
-    (one command serves every start of a preemptible job). `resume_state_path` defaults to
+    "latest": nothing to do when the run completed `total_steps`; its final state when it completed
+    fewer steps (newer than every checkpoint); else the newest intact checkpoint of this run (a
+    damaged newer one is passed over and named), or a new run while there is none (one command
+    serves every start of a preemptible job). `resume_state_path` defaults to
     `<folder>/trainer_state.pt`. The answer depends only on the files, never on the process's rank.
     """
     resume_from = config.training.resume_from
@@ -270,12 +271,25 @@ def choose_resume(config: Config, total_steps: int) -> ResumeChoice:
         folder = Path(resume_from)
         if not folder.is_dir():
             raise ConfigError(f"training.resume_from = {resume_from!r}: no such folder")
+        check_not_averaged(config, folder)
         return read_checkpoint(config, folder)
-    complete = completed(config, total_steps)
-    if complete:
-        return ResumeChoice(complete=complete)
+    checkpoints = list_checkpoints(config.output_dir / "checkpoints")
+    finished = finished_run(config, checkpoints)
+    if finished:
+        check_compatible(finished, config, finished.soft)
+    if finished and finished.snapshot.position.step >= total_steps:
+        return ResumeChoice(complete=f"resume: latest: the run in {config.output_dir} completed all "
+                                     f"{finished.snapshot.position.step} steps; nothing to do (raise "
+                                     "training.num_steps to train on, or set another run.name for a new run)")
     skipped = []
-    for folder in reversed(list_checkpoints(config.output_dir / "checkpoints")):
+    if finished and finished.snapshot.position.step > checkpoint_step(checkpoints):  # continue a completed run
+        check_outputs_resumable(config, finished.snapshot.position.step, checkpoints)
+        try:
+            check_resume_weights(config.output_dir, config)
+            return ResumeChoice(config.output_dir, config.state_path, finished)
+        except ConfigError as exc:
+            skipped.append(f"the final state in {config.output_dir} is damaged ({exc})")
+    for folder in reversed(checkpoints):
         try:
             return replace(read_checkpoint(config, folder), skipped=skipped)
         except ConfigError as exc:
@@ -295,24 +309,66 @@ def read_checkpoint(config: Config, folder: Path) -> ResumeChoice:
     return ResumeChoice(folder, state, saved)
 
 
-def completed(config: Config, total_steps: int) -> str:
-    """Why the run in the output folder has nothing left to do, or "": its summary says it completed,
-    its final trainer state is at `total_steps` or beyond, and no checkpoint is newer. A run that
-    differs in what the weights mean is a ConfigError, as its checkpoints would be."""
+def finished_run(config: Config, checkpoints: list[Path]) -> SavedState | None:
+    """The final trainer state of the run in the output folder when it completed (its summary
+    says so, at that state's step) and no checkpoint is newer; else None."""
     try:
         summary = json.loads((config.output_dir / "run_summary.json").read_text(encoding="utf-8"))
         saved = load_state(config.state_path)
     except (OSError, ValueError, ConfigError):  # no finished run there (or not readable as one)
-        return ""
+        return None
     step = saved.snapshot.position.step
-    checkpoints = list_checkpoints(config.output_dir / "checkpoints")
-    newest = int(CHECKPOINT_NAME.match(checkpoints[-1].name).group(1)) if checkpoints else 0
-    if not (isinstance(summary, dict) and summary.get("status") == "completed" and summary.get("steps") == step
-            and step >= total_steps and newest <= step):
-        return ""
-    check_compatible(saved, config, saved.soft)
-    return (f"resume: latest: the run in {config.output_dir} completed all {step} steps; nothing to do "
-            "(raise training.num_steps to train on, or set another run.name for a new run)")
+    completed = isinstance(summary, dict) and summary.get("status") == "completed" and summary.get("steps") == step
+    return saved if completed and checkpoint_step(checkpoints) <= step else None
+
+
+def check_outputs_resumable(config: Config, step: int, checkpoints: list[Path]) -> None:
+    """A longer run continues a completed one from its final state, exactly: from the output folder
+    when it holds the trained weights, else from the checkpoint its last step saved, which is then
+    the newest. A run saved before that checkpoint was written has none: a ConfigError naming the
+    newest checkpoint, never a silent start from scratch over the outputs."""
+    if outputs_resumable(config):
+        return
+    why = averaged_outputs(config) or "no diffusers adapter file among export.adapter_formats"
+    where = f"resume from {checkpoints[-1]}" if checkpoints else "there is no checkpoint to resume from"
+    raise ConfigError(f"training.resume_from = 'latest': the run in {config.output_dir} completed {step} steps, but "
+                      f"its outputs are not its trained weights ({why}) and it saved no checkpoint of step {step}: "
+                      f"{where}, or set another run.name for a new run")
+
+
+def averaged_outputs(config: Config) -> str:
+    """What the final outputs hold instead of the trained weights ("" when they are those): the
+    EMA, or schedule-free's averaged weights. Training cannot continue exactly from either."""
+    if config.model.use_ema:
+        return "the EMA of the trained weights (model.use_ema)"
+    if config.optimizer.type == "adamw_schedulefree":
+        return "schedule-free's averaged weights"
+    return ""
+
+
+def outputs_resumable(config: Config) -> bool:
+    """Whether the output folder holds the trained weights as a resume reads them. When not, the
+    last step saves a checkpoint too (run.checkpoint_due), so that a longer run continues exactly."""
+    readable = config.adapter.type == "none" or "diffusers" in config.export.adapter_formats
+    return readable and not averaged_outputs(config)
+
+
+def check_not_averaged(config: Config, folder: Path) -> None:
+    """An output folder (any folder but a checkpoint) of a run with EMA or schedule-free holds the
+    averaged weights: resuming from it would train on from them, not from the trained weights.
+    ConfigError naming the checkpoint to resume from."""
+    what = averaged_outputs(config)
+    if not what or CHECKPOINT_NAME.match(folder.name):
+        return
+    checkpoints = list_checkpoints(folder / "checkpoints")
+    where = f"resume from {checkpoints[-1]}" if checkpoints else "it has no checkpoint to resume from"
+    raise ConfigError(f"training.resume_from = {str(folder)!r}: an output folder holds {what}, not the weights "
+                      f"training continues from; {where}")
+
+
+def checkpoint_step(checkpoints: list[Path]) -> int:
+    """The step of the newest of `checkpoints` (0 when there is none)."""
+    return int(CHECKPOINT_NAME.match(checkpoints[-1].name).group(1)) if checkpoints else 0
 
 
 def check_resume_weights(folder: Path, config: Config) -> None:

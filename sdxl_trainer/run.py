@@ -635,8 +635,12 @@ def end_epoch(run: Run) -> None:
 
 # ------------------------------------------------------------------------------ saving
 def checkpoint_due(run: Run) -> bool:
+    """Every `checkpoint_every` steps before the last; at the last step only when the output folder
+    cannot be resumed from (EMA or schedule-free outputs are averages): a longer run continues from it."""
     step = run.position.step
-    return step % run.config.training.checkpoint_every == 0 and step < run.total_steps
+    if step == run.total_steps:
+        return not checkpointing.outputs_resumable(run.config)
+    return step % run.config.training.checkpoint_every == 0
 
 
 def take_snapshot(run: Run) -> TrainerSnapshot:

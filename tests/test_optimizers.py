@@ -132,7 +132,8 @@ def test_schedule_free_exports_its_averaged_weights(tmp_path: Path, tiny_sdxl_di
     expected = []
     real_snapshot = run_module.take_snapshot
 
-    def snapshot(run):  # save_outputs takes it once, just before switching to the averaged weights
+    def snapshot(run):  # save_outputs takes it last (after the last step's checkpoint), before the averaging
+        expected.clear()
         inner = getattr(run.optimizer, "optimizer", run.optimizer)
         for group in inner.param_groups:
             beta1 = group["betas"][0]

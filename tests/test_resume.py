@@ -273,10 +273,48 @@ def test_latest_on_a_completed_run_says_so_and_touches_nothing(tmp_path: Path, t
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("ema", [False, True])
+def test_latest_with_more_steps_continues_a_completed_run_from_its_last_step(
+        tmp_path: Path, tiny_sdxl_dir: Path, capsys: pytest.CaptureFixture, ema: bool) -> None:
+    """"Raise training.num_steps to train on" continues from step 4, not from an older checkpoint or
+    step 0: from the output folder's final state, or with EMA (whose average is the output) from the
+    checkpoint the last step saved; that output folder is then refused as a resume source, naming
+    the checkpoint. The result is a straight 6-step run's (the constant schedule does not depend on
+    the length)."""
+    settings = {"model": {"use_ema": ema, "ema_decay": 0.5},
+                "training": {"num_steps": 4, "checkpoint_every": 100, "ema_update_every": 1}}
+    straight = tiny_config(tmp_path / "straight", **settings)
+    straight["training"]["num_steps"] = 6
+    assert train_sdxl.main(["--config", str(write_config(tmp_path / "straight.json", straight))]) == 0
+    path = write_config(tmp_path / "job.json", tiny_config(tmp_path / "job", **settings))
+    assert train_sdxl.main(["--config", str(path)]) == 0
+    out = tmp_path / "job" / "out" / "test_run"
+    final_checkpoint = out / "checkpoints" / "checkpoint-4"
+    assert final_checkpoint.is_dir() == ema
+    capsys.readouterr()
+    longer = ["--config", str(path), "--set", "training.resume_from=latest", "--set", "training.num_steps=6"]
+    assert train_sdxl.main(longer) == 0
+    assert f"resume: from {final_checkpoint if ema else out} at step 4 " in capsys.readouterr().out
+    expected, got = final_weights(tmp_path / "straight" / "out" / "test_run"), final_weights(out)
+    assert expected.keys() == got.keys() and all(torch.equal(expected[k], got[k]) for k in expected)
+    if ema:
+        assert train_sdxl.main(["--config", str(path), "--set", f"training.resume_from={out}",
+                                "--set", "training.num_steps=8"]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"error: training.resume_from = {str(out)!r}: an output folder holds the EMA of the trained weights "
+            f"(model.use_ema), not the weights training continues from; resume from {out / 'checkpoints'}"
+            "/checkpoint-6")
+
+
+@pytest.mark.slow
 def test_latest_passes_over_a_damaged_newest_checkpoint(tmp_path: Path, tiny_sdxl_dir: Path,
                                                         capsys: pytest.CaptureFixture) -> None:
+    """The completed run's final state comes first (a longer run continues from it), then the
+    checkpoints, newest first."""
     path = finished_run(tmp_path, num_steps=6)
     checkpoints = tmp_path / "out" / "test_run" / "checkpoints"
+    final = checkpoints.parent / "pytorch_lora_weights.safetensors"
+    final.write_bytes(final.read_bytes()[:-100])
     state, weights = checkpoints / "checkpoint-4" / "trainer_state.pt", checkpoints / "checkpoint-4" / (
         "pytorch_lora_weights.safetensors")
     intact = state.read_bytes()
@@ -286,6 +324,7 @@ def test_latest_passes_over_a_damaged_newest_checkpoint(tmp_path: Path, tiny_sdx
     assert train_sdxl.main([*longer, "--dry-run", *NO_MEMORY_PLAN]) == 0
     out = capsys.readouterr().out
     assert f"resume: from {checkpoints / 'checkpoint-2'} at step 2" in out
+    assert f"warning: the final state in {checkpoints.parent} is damaged (training.resume_from: {final}: " in out
     assert f"warning: checkpoint-4 is damaged ({state}: not a readable trainer state" in out
     state.write_bytes(intact)
     weights.write_bytes(weights.read_bytes()[:-100])
@@ -296,6 +335,7 @@ def test_latest_passes_over_a_damaged_newest_checkpoint(tmp_path: Path, tiny_sdx
     assert json.loads((checkpoints.parent / "run_summary.json").read_text())["steps"] == 8
     for checkpoint in checkpoints.iterdir():  # none intact: one line naming each, nothing started
         (checkpoint / "trainer_state.pt").write_bytes(b"")
+    (checkpoints.parent / "trainer_state.pt").write_bytes(b"")  # the final state too
     assert train_sdxl.main([*longer, "--set", "training.num_steps=10"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: training.resume_from = 'latest': no intact checkpoint: checkpoint-6 is damaged (")
