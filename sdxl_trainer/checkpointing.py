@@ -426,6 +426,42 @@ def prune_checkpoints(root: Path, limit: int | None, keep: Path | None = None) -
     return pruned
 
 
+def set_aside_newer(config: Config, choice: ResumeChoice) -> tuple[Path | None, list[str]]:
+    """A resume from step k abandons what this output folder saved beyond k: the checkpoints (and
+    final trainer state) of the run it branches off. They move into
+    `checkpoints/abandoned-from-step-<k>/`, which `latest` and pruning never look into, so that a
+    later `latest` continues this run, not that one; nothing is deleted. Returns that folder and
+    the names of what went there (None and [] when nothing was newer)."""
+    if choice.saved is None:
+        return None, []
+    step = choice.saved.snapshot.position.step
+    root = config.output_dir / "checkpoints"
+    newer = [path for path in list_checkpoints(root) if checkpoint_step([path]) > step]
+    state_is_newer = config.state_path.is_file() and config.state_path != choice.state_path and step < saved_step(
+        config.state_path)
+    if not newer and not state_is_newer:
+        return None, []
+    folder = root / f"abandoned-from-step-{step}"
+    copies = 1
+    while folder.exists():
+        copies += 1
+        folder = root / f"abandoned-from-step-{step}-{copies}"
+    folder.mkdir(parents=True)
+    for path in newer:
+        os.replace(path, folder / path.name)
+    if state_is_newer:
+        shutil.move(config.state_path, folder / STATE_FILE)
+    return folder, [path.name for path in newer] + ([STATE_FILE] if state_is_newer else [])
+
+
+def saved_step(path: Path) -> int:
+    """The step of a trainer state (-1 when it cannot be read: nothing to set aside)."""
+    try:
+        return load_state(path).snapshot.position.step
+    except ConfigError:
+        return -1
+
+
 def list_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoint folders, oldest first."""
     if not root.is_dir():

@@ -40,6 +40,7 @@ from .checkpointing import (
     list_checkpoints,
     prune_checkpoints,
     rng_state,
+    set_aside_newer,
     set_rng_state,
 )
 from .config import Config, ConfigError, DataConfig
@@ -291,9 +292,10 @@ def choose_seed(config: Config, state: TrainerSnapshot | None, accelerator: Acce
 
 def claim_output_folder(config: Config, plan: RunPlan, accelerator: Accelerator) -> OutputLock | None:
     """The main process locks the output folder, removes what interrupted writes left there, chooses
-    the checkpoint to resume from (under the lock: the pre-flight's may be gone since) and prunes
-    checkpoints beyond the limit (a kill between writing one and pruning leaves one too many); every
-    process then continues from that choice. A folder in use by another run stops every process
+    the checkpoint to resume from (under the lock: the pre-flight's may be gone since), sets aside
+    the newer checkpoints of the run it branches off and prunes checkpoints beyond the limit (a
+    kill between writing one and pruning leaves one too many); every process then continues from
+    that choice. A folder in use by another run stops every process
     with a ConfigError, a completed run with RunComplete."""
     lock, refusal, choice = None, None, None
     if accelerator.is_main_process:
@@ -309,6 +311,10 @@ def claim_output_folder(config: Config, plan: RunPlan, accelerator: Accelerator)
         else:
             if note:
                 print(f"note: {note}")
+            abandoned, moved = set_aside_newer(config, choice)
+            if abandoned:
+                print(f"resume: what the run saved after this resume's step ({', '.join(moved)}) is moved to "
+                      f"{abandoned}; `latest` continues this run")
             removed += prune_checkpoints(config.output_dir / "checkpoints", config.training.checkpoints_total_limit,
                                          keep=choice.folder)
             if removed:

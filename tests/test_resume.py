@@ -307,6 +307,28 @@ def test_latest_with_more_steps_continues_a_completed_run_from_its_last_step(
 
 
 @pytest.mark.slow
+def test_a_resume_from_an_older_checkpoint_sets_the_abandoned_run_aside(tmp_path: Path, tiny_sdxl_dir: Path,
+                                                                       capsys: pytest.CaptureFixture) -> None:
+    """Resumed from checkpoint-2 (a lower rate, to tame a divergence) and stopped at step 3: a later
+    `latest` continues this run from step 3, not the abandoned run's checkpoint-6, which is kept
+    in checkpoints/abandoned-from-step-2/ with that run's final state."""
+    path = finished_run(tmp_path, num_steps=8)
+    checkpoints = tmp_path / "out" / "test_run" / "checkpoints"
+    branch = ["--config", str(path), "--set", f"training.resume_from={checkpoints / 'checkpoint-2'}",
+              "--set", "training.lr_unet=1e-4", "--set", "training.num_steps=3"]
+    capsys.readouterr()
+    assert train_sdxl.main(branch) == 0
+    abandoned = checkpoints / "abandoned-from-step-2"
+    assert (f"resume: what the run saved after this resume's step (checkpoint-4, checkpoint-6, trainer_state.pt) is "
+            f"moved to {abandoned}; `latest` continues this run") in capsys.readouterr().out
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["abandoned-from-step-2", "checkpoint-2"]
+    assert sorted(p.name for p in abandoned.iterdir()) == ["checkpoint-4", "checkpoint-6", "trainer_state.pt"]
+    assert load_state(abandoned / "trainer_state.pt").snapshot.position.step == 8
+    assert train_sdxl.main(["--config", str(path), "--set", "training.lr_unet=1e-4", "--dry-run", *NO_MEMORY_PLAN]) == 0
+    assert f"resume: from {checkpoints.parent} at step 3 " in capsys.readouterr().out
+
+
+@pytest.mark.slow
 def test_latest_passes_over_a_damaged_newest_checkpoint(tmp_path: Path, tiny_sdxl_dir: Path,
                                                         capsys: pytest.CaptureFixture) -> None:
     """The completed run's final state comes first (a longer run continues from it), then the
@@ -333,7 +355,7 @@ def test_latest_passes_over_a_damaged_newest_checkpoint(tmp_path: Path, tiny_sdx
     assert f"resume: from {checkpoints / 'checkpoint-2'} at step 2" in out
     assert f"warning: checkpoint-4 is damaged (training.resume_from: {weights}: truncated: " in out
     assert json.loads((checkpoints.parent / "run_summary.json").read_text())["steps"] == 8
-    for checkpoint in checkpoints.iterdir():  # none intact: one line naming each, nothing started
+    for checkpoint in checkpoints.glob("checkpoint-*"):  # none intact: one line naming each, nothing started
         (checkpoint / "trainer_state.pt").write_bytes(b"")
     (checkpoints.parent / "trainer_state.pt").write_bytes(b"")  # the final state too
     assert train_sdxl.main([*longer, "--set", "training.num_steps=10"]) == 2
