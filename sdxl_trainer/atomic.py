@@ -144,17 +144,19 @@ def _temp_prefix(destination: Path) -> str:
     return f".{destination.name}.{os.getpid()}-{HOST}."
 
 
-def remove_dead_temps(folder: str | os.PathLike[str], depth: int = 0) -> list[Path]:
+def remove_dead_temps(folder: str | os.PathLike[str], depth: int = 0, of: str | None = None) -> list[Path]:
     """Remove the temps in `folder` (and its subfolders, `depth` levels down) whose writer is gone:
     a process of this machine that no longer exists. Others stay: a live writer's, another machine's
-    (whose processes cannot be seen from here) and names this module did not make. Returns what
-    was removed."""
+    (whose processes cannot be seen from here) and names this module did not make. `of`: only the
+    temps of that file name. Returns what was removed."""
     removed = []
     try:
         entries = sorted(os.scandir(folder), key=lambda entry: entry.name)
     except OSError:  # no such folder (nothing cached yet), or unreadable: nothing to clean
         return removed
     for entry in entries:
+        if of is not None and not entry.name.startswith(f".{of}."):
+            continue
         match = TEMP_NAME.match(entry.name)
         if match and match.group(2) == HOST and not _process_exists(int(match.group(1))):
             if entry.is_dir(follow_symlinks=False):

@@ -87,20 +87,19 @@ def describe_holder(text: str) -> str:
 
 
 def remove_leftovers(config: Config) -> list[Path]:
-    """Delete the temp files and folders of interrupted writes in the output folder (and beside a
-    state file kept elsewhere); only call this while holding the lock. In the single file's folder,
-    which other runs share, only the temps whose writer is gone. Returns what was removed."""
+    """Delete the temp files and folders of interrupted writes in the output folder; only call this
+    while holding the lock. In the folders this lock does not cover (the single file's, a state
+    file's kept elsewhere), which other runs and the user may share, only the temps whose writer is
+    gone, and beside the state file only its own. Returns what was removed."""
     removed = remove_dead_temps(config.checkpoint_path.parent)
-    roots = [config.output_dir]
     if config.state_path.parent != config.output_dir:
-        roots.append(config.state_path.parent)
-    for root in roots:
-        if root.is_dir():
-            removed += _remove_matching(root, recurse=root == config.output_dir)
+        removed += remove_dead_temps(config.state_path.parent, of=config.state_path.name)
+    if config.output_dir.is_dir():
+        removed += _remove_matching(config.output_dir)
     return removed
 
 
-def _remove_matching(folder: Path, recurse: bool) -> list[Path]:
+def _remove_matching(folder: Path) -> list[Path]:
     removed = []
     for entry in sorted(folder.iterdir()):
         if LEFTOVER.match(entry.name):
@@ -109,6 +108,6 @@ def _remove_matching(folder: Path, recurse: bool) -> list[Path]:
             else:
                 entry.unlink(missing_ok=True)
             removed.append(entry)
-        elif recurse and entry.is_dir() and not entry.is_symlink():
-            removed += _remove_matching(entry, recurse)
+        elif entry.is_dir() and not entry.is_symlink():
+            removed += _remove_matching(entry)
     return removed

@@ -80,6 +80,32 @@ def start_writing(destination: Path, writers: list[subprocess.Popen]) -> tuple[s
     return process, Path(process.stdout.readline().strip())
 
 
+def test_beside_a_state_file_kept_elsewhere_only_its_own_dead_temps_are_removed(tmp_path: Path) -> None:
+    """That folder is not under the run's lock: another run may be writing its state there, and the
+    user's own hidden entries that look like leftovers stay."""
+    states = tmp_path / "states"
+    config = load_config(write_config(tmp_path / "c.json", tiny_config(
+        tmp_path, training={"state_path": str(states / "a.pt")})), [])
+    users = states / ".lora-experiments" / "notes.txt"
+    users.parent.mkdir(parents=True)
+    users.write_text("mine")
+    writers: list[subprocess.Popen] = []
+    try:
+        temps = []
+        for name in ("a.pt", "b.pt"):  # this run's state and another run's, their writers killed
+            killed, temp = start_writing(states / name, writers)
+            killed.kill()
+            killed.wait()
+            temps.append(temp)
+        live = start_writing(states / "b.pt", writers)[1]  # another run writing its state now
+        assert remove_leftovers(config) == [temps[0]]
+        assert users.exists() and temps[1].exists() and live.exists() and not temps[0].exists()
+    finally:
+        for process in writers:
+            process.kill()
+            process.wait()
+
+
 @pytest.mark.slow
 def test_a_start_removes_the_temps_of_dead_writers_in_the_caches_and_the_single_file_folder(
         tmp_path: Path, tiny_sdxl_dir: Path) -> None:
