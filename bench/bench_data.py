@@ -60,7 +60,7 @@ def cache_read_rows(folder: Path, entries: int) -> list[dict]:
     rows = []
     generator = torch.Generator().manual_seed(0)
     for dtype in ("fp32", "bf16"):
-        cache = LatentCache(folder / dtype, "bench-vae", dtype, "sample")
+        cache = LatentCache(folder / dtype, "bench-vae", dtype, "sample", "fp32")
         keys = [LatentKey(f"{index:064x}", 1024, 1024, 0, 0, False) for index in range(entries)]
         for key in keys:
             cache.save(key, torch.randn(4, 128, 128, generator=generator), torch.rand(4, 128, 128, generator=generator))
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
         rows.append({"measure": "pre-flight scan (decode check + sha256)", "seconds": scan_seconds,
                      "images_per_s": images / scan_seconds, "MB_per_s": None, "ratio": None})
         uncached = epoch(plain, plan, 0, vae)
-        cache = LatentCache(config.latent_cache.cache_dir, "bench-vae", "fp32", "sample")
+        cache = LatentCache(config.latent_cache.cache_dir, "bench-vae", "fp32", "sample", "fp32")
         start = time.perf_counter()
         dataset.build_latent_cache(plan, config, cache, vae, "cpu")
         build = time.perf_counter() - start

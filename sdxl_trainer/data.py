@@ -23,10 +23,12 @@ from .latent_cache import LatentCache, LatentKey, sample_latents
 from .scan import ALPHA_MASK, ImageRecord
 
 
-def latent_key(record: ImageRecord, target: tuple[int, int], crop: CropPlan) -> LatentKey:
-    """The cache key of one view: the image's content (and its mask's), its target size and the crop."""
+def latent_key(record: ImageRecord, target: tuple[int, int], crop: CropPlan, data: DataConfig) -> LatentKey:
+    """The cache key of one view: the image's content (and its mask's), its target size, the crop
+    and, for an image with transparency, the colour it is composited onto."""
     width, height = target
-    return LatentKey(record.sha256, width, height, crop.top, crop.left, crop.flip, record.mask)
+    background = ",".join(map(str, data.background_color)) if record.alpha else ""
+    return LatentKey(record.sha256, width, height, crop.top, crop.left, crop.flip, record.mask, background)
 
 
 def view_pixels(record: ImageRecord, target: tuple[int, int], crop: CropPlan, data: DataConfig) -> torch.Tensor:
@@ -78,7 +80,7 @@ class ImageCaptionDataset(Dataset):
         if self.cache is None:
             sample["pixel_values"] = view_pixels(record, target, crop, self.data)
         else:
-            entry = self.cache.load(latent_key(record, target, crop))
+            entry = self.cache.load(latent_key(record, target, crop, self.data))
             if entry is None:
                 raise RuntimeError(f"latent cache entry for {record.path} vanished during training")
             generator = torch.Generator().manual_seed(rng.getrandbits(63))
@@ -114,10 +116,10 @@ def cache_views(plan: DatasetPlan, data: DataConfig) -> list[tuple[Sample, Laten
     for sample in plan.samples:
         for flip in (False, True) if data.random_flip else (False,):
             crop = plan_crop(sample.record, *sample.target, flip, rng=None)
-            views.setdefault(latent_key(sample.record, sample.target, crop), (sample, crop))
+            views.setdefault(latent_key(sample.record, sample.target, crop, data), (sample, crop))
     for sample in plan.validation:
         crop = plan_crop(sample.record, *sample.target, flip=False, rng=None)
-        views.setdefault(latent_key(sample.record, sample.target, crop), (sample, crop))
+        views.setdefault(latent_key(sample.record, sample.target, crop, data), (sample, crop))
     return [(sample, key, crop) for key, (sample, crop) in views.items()]
 
 

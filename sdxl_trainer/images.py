@@ -45,16 +45,18 @@ def open_image(source: Path | BinaryIO) -> Iterator[Image.Image]:
 class ImageCheck(NamedTuple):
     """What inspecting a file found, kept apart from the pixel limit so that a scan cache can judge
     it again under another `data.max_image_pixels`: the stored size, whether EXIF orientation turns
-    it by 90 degrees and the sha256 of its bytes (None: over the limit, so never decoded), or the
-    reason it cannot be used whatever the limit. A tuple: a cache builds 100k of them at each start."""
+    it by 90 degrees, the sha256 of its bytes (None: over the limit, so never decoded) and whether
+    it has transparency (its pixels then depend on `data.background_color`), or the reason it cannot
+    be used whatever the limit. A tuple: a cache builds 100k of them at each start."""
 
     width: int = 0
     height: int = 0
     turned: bool = False
     sha256: str | None = None
     problem: str | None = None
+    alpha: bool = False
 
-    def verdict(self, max_pixels: int) -> tuple[int, int, str] | str | None:
+    def verdict(self, max_pixels: int) -> tuple[int, int, str, bool] | str | None:
         """`inspect_image`'s answer under `max_pixels`; None when that needs a decode not yet done."""
         if self.problem is not None:
             return self.problem
@@ -62,7 +64,8 @@ class ImageCheck(NamedTuple):
             return f"too large: {self.width}x{self.height} is over data.max_image_pixels={max_pixels}"
         if self.sha256 is None:
             return None
-        return (self.height, self.width, self.sha256) if self.turned else (self.width, self.height, self.sha256)
+        width, height = (self.height, self.width) if self.turned else (self.width, self.height)
+        return width, height, self.sha256, self.alpha
 
 
 def check_image(path: Path, max_pixels: int) -> ImageCheck:
@@ -84,17 +87,24 @@ def check_image(path: Path, max_pixels: int) -> ImageCheck:
             if width * height > max_pixels:
                 return ImageCheck(width, height)
             turned = image.getexif().get(_EXIF_ORIENTATION) in _ROTATED_ORIENTATIONS
+            alpha = has_alpha(image)
             image.draft(image.mode, (max(1, width // 8), max(1, height // 8)))  # JPEG only; others ignore it
             image.load()  # a truncated or corrupt file fails here
     except UnidentifiedImageError:  # its message names the in-memory buffer, not the file
         return ImageCheck(problem="not an image (PIL recognises no image format in it)")
     except (OSError, SyntaxError, ValueError) as exc:
         return ImageCheck(problem=f"cannot read image: {exc}")
-    return ImageCheck(width, height, turned, hashlib.sha256(content).hexdigest())
+    return ImageCheck(width, height, turned, hashlib.sha256(content).hexdigest(), alpha=alpha)
 
 
-def inspect_image(path: Path, max_pixels: int) -> tuple[int, int, str] | str:
-    """(width, height as displayed, sha256 of the bytes), or the reason the image cannot be used."""
+def has_alpha(image: Image.Image) -> bool:
+    """Whether the image has transparency, which `load_rgb` composites onto the background colour."""
+    return image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info
+
+
+def inspect_image(path: Path, max_pixels: int) -> tuple[int, int, str, bool] | str:
+    """(width, height as displayed, sha256 of the bytes, has transparency), or the reason the image
+    cannot be used."""
     verdict = check_image(path, max_pixels).verdict(max_pixels)
     assert verdict is not None  # check_image decodes whatever is within the limit
     return verdict
@@ -126,8 +136,7 @@ def load_rgb(path: Path, background: tuple[int, int, int] = (255, 255, 255)) -> 
         gray = _gray_to_8_bit(image)
         if gray is not None:
             return gray.convert("RGB")
-        has_alpha = image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info
-        if has_alpha:
+        if has_alpha(image):
             rgba = image.convert("RGBA")
             canvas = Image.new("RGBA", rgba.size, (*background, 255))
             return Image.alpha_composite(canvas, rgba).convert("RGB")
@@ -142,7 +151,7 @@ def load_mask(path: Path, alpha: bool) -> Image.Image | None:
         if not alpha:
             gray = _gray_to_8_bit(image)
             return gray if gray is not None else image.convert("L")
-        if image.mode in ("RGBA", "LA", "PA") or "transparency" in image.info:
+        if has_alpha(image):
             return image.convert("RGBA").getchannel("A")
         return None
 

@@ -1,9 +1,10 @@
 """Content-addressed VAE latent cache: one `.safetensors` file per image, bucket, crop and flip.
 
 The file name is a hash of everything the entry depends on: the image's bytes, the target size,
-the crop, the flip, the loss mask (stored beside the latent, on the latent grid), the VAE's
-weights, the storage dtype and what is stored (distribution or mode). An edited image or mask, or
-another VAE, is therefore a miss, never a stale hit. Entries are checked when read (finite,
+the crop, the flip, the loss mask (stored beside the latent, on the latent grid), the colour
+transparency is composited onto (images with transparency only), the VAE's weights and the dtype it
+computes in, the storage dtype and what is stored (distribution or mode). An edited image or mask,
+another background colour or another VAE is therefore a miss, never a stale hit. Entries are checked when read (finite,
 expected shape) and rebuilt when damaged; every write is atomic.
 """
 
@@ -36,9 +37,12 @@ class LatentKey:
     crop_left: int
     flip: bool
     mask: str = ""  # the view's loss mask ("alpha", or the mask file's sha256); "" = none
+    background: str = ""  # "r,g,b" that transparency is composited onto; "" = an opaque image
 
 
-_KEY_FIELDS = [name for name in LatentKey.__dataclass_fields__ if name != "mask"]
+# Fields named in every entry's hash; the others only when set, so that entries of opaque images
+# without a mask keep the names they had before those fields existed.
+_KEY_FIELDS = [name for name in LatentKey.__dataclass_fields__ if name not in ("mask", "background")]
 
 
 def vae_fingerprint(tensors: Iterable[torch.Tensor]) -> str:
@@ -113,13 +117,15 @@ def save_entry(path: Path, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
 
 
 class LatentCache:
-    """Reads and writes cached latents under `cache_dir` for one VAE, dtype and storage mode."""
+    """Reads and writes cached latents under `cache_dir` for one VAE, the dtype it encodes in, a
+    storage dtype and a storage mode."""
 
-    def __init__(self, cache_dir: str | Path, vae_id: str, dtype: str, stored: str):
+    def __init__(self, cache_dir: str | Path, vae_id: str, dtype: str, stored: str, vae_dtype: str):
         self.cache_dir = Path(cache_dir)
         self.vae_id = vae_id
         self.dtype = dtype  # "fp32", "fp16" or "bf16"
         self.stored = stored  # "sample": mean and std; "mode": mean only
+        self.vae_dtype = vae_dtype  # what the VAE computes in: another dtype, other latents
 
     def path(self, key: LatentKey) -> Path:
         """The entry's file: named by the sha256 of the key's fields and the cache's settings as
@@ -128,6 +134,10 @@ class LatentCache:
         fields.update(vae=self.vae_id, dtype=self.dtype, stored=self.stored, format=CACHE_FORMAT)
         if key.mask:  # entries without a mask keep the names they had before masks existed
             fields["mask"] = key.mask
+        if key.background:
+            fields["background"] = key.background
+        if self.vae_dtype != "fp32":  # likewise fp32 entries, the only ones before this key (docs/formats.md)
+            fields["vae_dtype"] = self.vae_dtype
         digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
         return self.cache_dir / digest[:2] / f"{digest}.safetensors"
 

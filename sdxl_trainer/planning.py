@@ -304,13 +304,14 @@ def describe_recipe(config: Config) -> str:
             + f"; timesteps {timesteps}; noise: {', '.join(noise) or 'plain'}" + preservation)
 
 
-def make_latent_cache(config: Config, vae_id: str) -> LatentCache:
-    """The run's latent cache for the VAE whose weights have the fingerprint `vae_id`."""
+def make_latent_cache(config: Config, vae_id: str, vae_dtype: str) -> LatentCache:
+    """The run's latent cache for the VAE whose weights have the fingerprint `vae_id`, computing in
+    `vae_dtype`."""
     from .latent_cache import LatentCache
 
     cache = config.data.latent_cache
     dtype = cache.dtype if cache.dtype != "auto" else {"no": "fp32"}.get(config.precision, config.precision)
-    return LatentCache(cache.cache_dir, vae_id, dtype, cache.latents)
+    return LatentCache(cache.cache_dir, vae_id, dtype, cache.latents, vae_dtype)
 
 
 def cache_status(config: Config, data_plan: DatasetPlan) -> str:
@@ -318,11 +319,13 @@ def cache_status(config: Config, data_plan: DatasetPlan) -> str:
     from .data import cache_views
     from .latent_cache import vae_fingerprint_from_files
     from .models import vae_weight_files
+    from .precision import vae_dtype
 
     found = vae_weight_files(config.model)
     if found is None:
         return "hits and misses are counted once the VAE is loaded"
-    cache = make_latent_cache(config, vae_fingerprint_from_files(*found))
+    # The VAE's dtype as planned for the configured precision (the device may still change it).
+    cache = make_latent_cache(config, vae_fingerprint_from_files(*found), vae_dtype(config, config.precision))
     views = cache_views(data_plan, config.data)
     # Presence only: every entry is read and checked once, when training builds the cache.
     misses = sum(not cache.path(key).is_file() for _, key, _ in views)

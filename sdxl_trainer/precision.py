@@ -140,10 +140,21 @@ def plan_precision(config: Config, device: str, bf16_ok: bool | None = None) -> 
         else:
             components[name] = ComponentPlan(compute, "fp32" if is_trained else None,
                                              config.model.base_quantization if name in quantized else None)
-    vae_storage = "fp16" if compute == "fp16" and config.model.vae_fp16_safe else "fp32"
-    components["vae"] = ComponentPlan(vae_storage, None)
+    components["vae"] = ComponentPlan(vae_dtype(config, compute), None)
     return PrecisionPlan(device, compute, components, tuple(warnings), cached_encoders(config),
                          bool(config.textual_inversion.tokens))
+
+
+def vae_dtype(config: Config, compute: str) -> str:
+    """The dtype the VAE is stored and runs in: fp32, or fp16 for a VAE made for it (`model.vae_fp16_safe`)."""
+    return "fp16" if compute == "fp16" and config.model.vae_fp16_safe else "fp32"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """"fp32", "bf16" or "fp16" for a torch dtype."""
+    import torch
+
+    return next(name for name, attribute in DTYPE_NAMES.items() if getattr(torch, attribute) == dtype)
 
 
 def place_pipeline(pipe, plan: PrecisionPlan, device) -> None:

@@ -84,7 +84,7 @@ from .output_folder import OutputLock, remove_leftovers
 from .output_preservation import training_loss
 from .outputs import log_memory, log_step, open_tensorboard, save_final, write_summary
 from .planning import RunPlan, make_latent_cache, settle_resume
-from .precision import ENCODERS, audit, cast_trained_parameters, place_pipeline, plan_precision
+from .precision import ENCODERS, audit, cast_trained_parameters, dtype_name, place_pipeline, plan_precision
 from .stop_request import EXIT_INTERRUPTED, StopRequest
 from .text_cache import prepare_text_cache
 from .trackers import open_run_log
@@ -383,7 +383,7 @@ def setup_models(config: Config, plan: RunPlan, precision: PrecisionPlan, accele
         check_eval_sampler(config.eval, pipe.scheduler.config)
     cache = None
     if config.data.latent_cache.enabled and plan.data is not None:
-        cache = make_latent_cache(config, vae_fingerprint(pipe.vae.state_dict().values()))
+        cache = make_latent_cache(config, vae_fingerprint(pipe.vae.state_dict().values()), dtype_name(pipe.vae.dtype))
         with accelerator.local_main_process_first():
             hits, built = build_latent_cache(plan.data, config.data, cache, pipe.vae, device)
         accelerator.print(f"latent cache: {hits} hits, {built} encoded now")

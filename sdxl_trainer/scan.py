@@ -28,6 +28,7 @@ class ImageRecord:
     subset: int = 0  # index into data.folders(); validation_dir images are in subset 0's place
     mask: str = ""  # "" = no mask, ALPHA_MASK, or the sha256 of the mask file (the latent cache key)
     mask_path: Path | None = None  # the mask file, or the image itself for an alpha mask
+    alpha: bool = False  # has transparency: its pixels depend on data.background_color
 
 
 @dataclass
@@ -99,8 +100,8 @@ def scan_folder(folder: FolderOptions, subset: int, data: DataConfig, report: Sc
             report.missing_captions.append(path)
         if folder.caption_prefix:
             caption = f"{folder.caption_prefix} {caption}".strip()
-        width, height, digest = result
-        records.append(ImageRecord(path, caption, width, height, digest, subset, mask, mask_path))
+        width, height, digest, alpha = result
+        records.append(ImageRecord(path, caption, width, height, digest, subset, mask, mask_path, alpha))
     return records
 
 

@@ -28,17 +28,14 @@ from tqdm.auto import tqdm
 from .atomic import OutputWriteError, remove_dead_temps, write_text
 from .images import UNREADABLE, ImageCheck, check_image
 
-FORMAT = "sdxl-trainer scan cache 1"
+FORMAT = "sdxl-trainer scan cache 2"  # 2: whether each image has transparency
 # One list per field (columns parse faster than 100k small lists), each value of the listed types.
 _COLUMNS = {"path": {str}, "size": {int}, "mtime_ns": {int}, "inode": {int}, "width": {int}, "height": {int},
-            "turned": {bool}, "sha256": {str, type(None)}, "problem": {str, type(None)}}
+            "turned": {bool}, "sha256": {str, type(None)}, "problem": {str, type(None)}, "alpha": {bool}}
 Stamp = tuple[int, int, int]  # size, mtime_ns, inode: what must not change for an entry to hold
 _STAMP_FIELDS = ("size", "mtime_ns", "inode")
 SAVE_EVERY_S = 60.0  # during a long first scan, so that a kill (not only a Ctrl-C) keeps most of it
-Verdict = tuple[int, int, str] | str  # images.inspect_image's answer
-# The problem that earlier versions cached when PIL's own pixel limit refused a file, whatever
-# data.max_image_pixels said; such an entry is inspected again under the setting.
-PIL_REFUSAL = "too large: refused as a possible decompression bomb"
+Verdict = tuple[int, int, str, bool] | str  # images.inspect_image's answer
 
 
 def inspect_images(paths: list[Path], max_pixels: int, cache_dir: Path | None, workers: int) -> list[Verdict]:
@@ -144,6 +141,4 @@ def _stamp(key: str) -> Stamp:
 
 
 def _hit(entry: tuple[Stamp, ImageCheck] | None, stamp: Stamp) -> ImageCheck | None:
-    if entry is None or entry[0] != stamp or entry[1].problem == PIL_REFUSAL:
-        return None
-    return entry[1]
+    return entry[1] if entry is not None and entry[0] == stamp else None

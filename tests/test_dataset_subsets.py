@@ -189,7 +189,7 @@ def test_an_edited_image_or_mask_changes_only_its_own_cache_entries(tmp_path: Pa
         Image.new("L", (80, 64), 255 if index % 2 else 128).save(masks / f"img_{index}.png")
     data = {"image_dir": str(tmp_path / "images"), "mask_dir": str(masks), "random_flip": True}
     config = DataConfig(size=64, bucket=BUCKETS, **data)
-    cache = LatentCache(tmp_path / "cache", "vae", "fp32", "sample")
+    cache = LatentCache(tmp_path / "cache", "vae", "fp32", "sample", "fp32")
     dataset.build_latent_cache(dataset.plan_dataset(config, 1), config, cache, pipe.vae, "cpu")
     cached = dataset.ImageCaptionDataset(dataset.plan_dataset(config, 1).samples, config, 0, cache)[(0, 0)]
     assert cached["mask"].shape == (1, 8, 12) and cached["mask"].max() == pytest.approx(128 / 255, abs=1e-6)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 import shutil
 from dataclasses import replace
@@ -46,7 +48,8 @@ def setup(folder: Path, cache_dir: Path, vae: AutoencoderKL, **data) -> tuple:
     config = DataConfig(image_dir=str(folder), size=64, latent_cache=cache_settings,
                         bucket={"resolutions": [[64, 64], [96, 64], [64, 96]], "divisible_by": 32}, **data)
     plan = dataset.plan_dataset(config, batch_size=1)
-    cache = LatentCache(cache_dir, vae_fingerprint(vae.state_dict().values()), "fp32", config.latent_cache.latents)
+    vae_id = vae_fingerprint(vae.state_dict().values())
+    cache = LatentCache(cache_dir, vae_id, "fp32", config.latent_cache.latents, "fp32")
     return config, plan, cache
 
 
@@ -77,6 +80,31 @@ def test_an_edited_image_or_another_vae_misses(images: Path, tmp_path: Path, vae
     _, plan, other_cache = setup(images, tmp_path / "cache", other)
     assert other_cache.vae_id != cache.vae_id
     assert len(other_cache.missing(key for _, key, _ in dataset.cache_views(plan, config))) == 18
+
+
+def test_a_transparent_image_misses_under_another_background_and_so_does_another_vae_dtype(
+        images: Path, tmp_path: Path, vae: AutoencoderKL) -> None:
+    """`data.background_color` changes what the VAE sees of an image with transparency: its entries
+    miss, an opaque image's stay; a VAE computing in another dtype misses everywhere. Entries of
+    opaque images from an fp32 VAE keep the names they had before these keys existed."""
+    transparent = images / "shape_03.png"
+    image = dataset.load_rgb(transparent).convert("RGBA")
+    image.putpixel((0, 0), (0, 0, 0, 0))
+    image.save(transparent)
+    config, plan, cache = setup(images, tmp_path / "cache", vae)
+    dataset.build_latent_cache(plan, config, cache, vae, "cpu")
+    black, plan, _ = setup(images, tmp_path / "cache", vae, background_color=[0, 0, 0])
+    missing = cache.missing(key for _, key, _ in dataset.cache_views(plan, black))
+    assert [key.image_sha256 for key in missing] == [plan.scan.images[3].sha256]
+
+    keys = [key for _, key, _ in dataset.cache_views(plan, config)]
+    assert len(LatentCache(cache.cache_dir, cache.vae_id, "fp32", cache.stored, "fp16").missing(keys)) == 18
+    opaque = keys[0]
+    named = {name: getattr(opaque, name) for name in ("image_sha256", "width", "height", "crop_top", "crop_left",
+                                                       "flip")} | {"vae": cache.vae_id, "dtype": "fp32",
+                                                                   "stored": cache.stored, "format": 1}
+    digest = hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()
+    assert cache.path(opaque) == cache.cache_dir / digest[:2] / f"{digest}.safetensors"
 
 
 def test_a_damaged_entry_is_rebuilt(images: Path, tmp_path: Path, vae: AutoencoderKL) -> None:
@@ -136,7 +164,7 @@ def test_a_cached_latent_equals_a_fresh_encode(images: Path, tmp_path: Path, vae
 def test_distributions_are_sampled_per_epoch_and_half_entries_take_two_bytes(images: Path, tmp_path: Path,
                                                                               vae: AutoencoderKL) -> None:
     config, plan, _ = setup(images, tmp_path / "cache", vae)
-    cache = LatentCache(tmp_path / "cache", "some-vae", "fp16", "sample")
+    cache = LatentCache(tmp_path / "cache", "some-vae", "fp16", "sample", "fp32")
     dataset.build_latent_cache(plan, config, cache, vae, "cpu")
     _, key, _ = dataset.cache_views(plan, config)[0]
     with safe_open(str(cache.path(key)), "pt") as handle:

@@ -111,7 +111,7 @@ def test_an_edited_image_is_inspected_again(tmp_path: Path) -> None:
     paths[0].write_bytes(edited)
     os.utime(paths[0], ns=(1, paths[0].stat().st_mtime_ns + 1_000_000_000))
     after = inspect_images(paths, 50_000, cache, workers=1)
-    assert after[0] == (128, 160, inspect_image(paths[0], 50_000)[2]) and after[0] != before[0]
+    assert after[0] == (128, 160, inspect_image(paths[0], 50_000)[2], False) and after[0] != before[0]
     assert after[1:] == before[1:]
     assert load(cache_path([str(path) for path in paths], cache))[os.path.abspath(paths[0])][0][0] == len(edited)
 
@@ -165,10 +165,10 @@ def test_the_pixel_limit_is_applied_anew_on_every_scan(tmp_path: Path) -> None:
     assert first[4] == "too large: 400x300 is over data.max_image_pixels=50000"
     assert check_image(large, 50_000).sha256 is None  # over the limit: never decoded, so not known to be good
     raised = inspect_images(paths, 200_000, cache, workers=1)  # now within the limit: decoded
-    assert raised[4] == inspect_image(large, 200_000) == (400, 300, raised[4][2])
+    assert raised[4] == inspect_image(large, 200_000) == (400, 300, raised[4][2], False)
     lowered = inspect_images(paths, 10_000, cache, workers=1)
     assert lowered[0] == "too large: 256x192 is over data.max_image_pixels=10000" == inspect_image(photo_jpg, 10_000)
-    assert lowered[3] == raised[3] == (64, 96, raised[3][2])  # EXIF-rotated: the size as displayed
+    assert lowered[3] == raised[3] == (64, 96, raised[3][2], False)  # EXIF-rotated: the size as displayed
     rotated = inspect_images(paths, 5_000, cache, workers=1)[3]  # its message names the stored size
     assert rotated == inspect_image(paths[3], 5_000) == "too large: 96x64 is over data.max_image_pixels=5000"
 
@@ -178,13 +178,10 @@ def test_max_image_pixels_is_honoured_above_pils_own_limit(tmp_path: Path, monke
     paths = make_folder(tmp_path / "images")
     large = paths[4]
     cache = tmp_path / "cache"
-    assert inspect_images(paths, 200_000, cache, workers=2)[4] == (400, 300, inspect_image(large, 200_000)[2])
+    assert inspect_images(paths, 200_000, cache, workers=2)[4] == (400, 300, inspect_image(large, 200_000)[2], False)
     assert load_rgb(large).size == (400, 300) and load_mask(large, alpha=False).size == (400, 300)
     assert Image.MAX_IMAGE_PIXELS == 20_000  # lifted for our own opens only
-    data = json.loads(cache_path([str(large)], cache).read_text(encoding="utf-8"))  # as an older version wrote it
-    data["columns"]["problem"][4], data["columns"]["sha256"][4] = scan_cache.PIL_REFUSAL, None
-    cache_path([str(large)], cache).write_text(json.dumps(data), encoding="utf-8")
-    assert inspect_images(paths, 200_000, cache, workers=1)[4] == (400, 300, inspect_image(large, 200_000)[2])
+    assert inspect_images(paths, 200_000, cache, workers=1)[4] == (400, 300, inspect_image(large, 200_000)[2], False)
 
 
 @pytest.mark.parametrize("progressive", [False, True])
