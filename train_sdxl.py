@@ -142,9 +142,11 @@ def train(config: Config, plan: RunPlan) -> int:
         print(f"error: {exc}; earlier checkpoints are intact", file=sys.stderr)
         return finish(run, "failed: could not write the outputs", EXIT_FAILED)
     except Exception as exc:  # unexpected: the trackers' runs end as failed, run.notify hears of it
-        if run.writer:
-            run.writer.close(EXIT_FAILED)
-        notify_error(config, exc)
+        try:
+            if run.writer:
+                run.writer.close(EXIT_FAILED)
+        finally:
+            notify_error(config, exc)
         raise
     finally:
         run.progress.close()

@@ -828,7 +828,10 @@ def finish(run: Run, status: str, code: int) -> int:
     except OutputWriteError as exc:  # a full disk: the status line below still says how it ended
         print(f"error: {exc}", file=sys.stderr)
     if run.writer:
-        run.writer.close(code)
+        try:
+            run.writer.close(code)
+        except OutputWriteError as exc:  # TensorBoard's last events: the trackers were closed all the same
+            print(f"error: {exc}", file=sys.stderr)
     if run.lock:
         run.lock.release()
     notify(config, end_event(status, code), status, steps=run.position.step, seconds=summary["seconds"],

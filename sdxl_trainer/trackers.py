@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .atomic import OutputWriteError, reported_write_failures
 from .config import Config, ConfigError, TrackerConfig
 
 # tracker type -> (module it imports, the pip package that provides it)
@@ -207,24 +208,22 @@ KINDS: dict[str, type[Tracker]] = {kind.kind: kind for kind in (WandB, MLflow, C
 
 class RunLog:
     """What the run logs, in SummaryWriter's calls: to TensorBoard (None when off) and each tracker.
-    A tracker that fails mid-run is one warning line and gets nothing more; the run goes on."""
+    A tracker that fails mid-run is one warning line and gets nothing more; the run goes on. A
+    TensorBoard write that fails (a full disk) is an OutputWriteError, which ends the run."""
 
     def __init__(self, tensorboard: Any, trackers: list[Tracker]) -> None:
         self.tensorboard, self.trackers = tensorboard, trackers
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
-        if self.tensorboard:
-            self.tensorboard.add_scalar(tag, value, step)
+        self._to_tensorboard("add_scalar", tag, value, step)
         self._each("scalars", {tag: value}, step)
 
     def add_image(self, tag: str, picture: Any, step: int, dataformats: str = "HWC") -> None:
-        if self.tensorboard:
-            self.tensorboard.add_image(tag, picture, step, dataformats=dataformats)
+        self._to_tensorboard("add_image", tag, picture, step, dataformats=dataformats)
         self._each("image", tag, picture, step)
 
     def add_text(self, tag: str, text: str, step: int) -> None:
-        if self.tensorboard:
-            self.tensorboard.add_text(tag, text, step)
+        self._to_tensorboard("add_text", tag, text, step)
         self._each("text", tag, text, step)
 
     def run_ids(self) -> dict[str, str]:
@@ -232,10 +231,25 @@ class RunLog:
         return {tracker.kind: tracker.run_id for tracker in self.trackers}
 
     def close(self, code: int = FINISHED) -> None:
-        """TensorBoard closed; each tracker's run ended with the run's exit code as its status."""
-        if self.tensorboard:
-            self.tensorboard.close()
-        self._each("close", code)
+        """TensorBoard closed; each tracker's run ended with the run's exit code as its status, even
+        when closing TensorBoard fails."""
+        try:
+            self._to_tensorboard("close")
+        finally:
+            self._each("close", code)
+
+    def _to_tensorboard(self, method: str, *args: Any, **kwargs: Any) -> None:
+        """One SummaryWriter call; a failed write is an OutputWriteError naming the TensorBoard
+        folder, and the writer, broken now, gets nothing more (closing it would fail again)."""
+        if not self.tensorboard:
+            return
+        writer = self.tensorboard
+        try:
+            with reported_write_failures(writer.get_logdir()):
+                getattr(writer, method)(*args, **kwargs)
+        except OutputWriteError:
+            self.tensorboard = None
+            raise
 
     def _each(self, method: str, *args: Any) -> None:
         for tracker in list(self.trackers):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import random
 import re
@@ -18,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 import train_sdxl
+from sdxl_trainer.atomic import OutputWriteError
 from sdxl_trainer.checkpointing import load_state
 from sdxl_trainer.config import ConfigError, load_config, validate_config
 from sdxl_trainer.notify import end_event, notify
@@ -339,3 +341,66 @@ def test_a_nan_stop_is_told_to_the_webhook_and_ends_the_tracker_run_as_failed(
     client = MlflowClient((tmp_path / "mlruns").resolve().as_uri())
     (run,) = client.search_runs([client.get_experiment_by_name("sdxl-trainer").experiment_id])
     assert run.info.status == "FAILED" and run.data.params["training.num_steps"] == "2"
+
+
+class Closing(Tracker):
+    kind = "closing"
+
+    def __init__(self) -> None:
+        self.run_id, self.codes = "c1", []
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        pass
+
+    def text(self, tag: str, text: str, step: int) -> None:
+        pass
+
+    def close(self, code: int) -> None:
+        self.codes.append(code)
+
+
+def full_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """TensorBoard's event file cannot be written from now on (a full disk)."""
+    from tensorboard.summary.writer import record_writer
+
+    def write(self: Any, data: bytes) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(record_writer.RecordWriter, "write", write)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # TensorBoard's writer thread
+def test_a_full_disk_under_tensorboard_is_an_output_write_error_and_the_trackers_still_close(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    tracker = Closing()
+    log = RunLog(SummaryWriter(log_dir=str(tmp_path / "tb")), [tracker])
+    full_disk(monkeypatch)
+    with pytest.raises(OutputWriteError, match=f"cannot write {tmp_path / 'tb'}: No space left on device"):
+        for step in range(1000):  # the writer thread's error comes back at a later call
+            log.add_scalar("train/loss", 0.5, step)
+            log.add_text("t", "x", step)
+    log.close(1)  # the broken writer is not closed again; the tracker's run ends as failed
+    assert tracker.codes == [1]
+
+
+@pytest.mark.slow
+def test_a_full_disk_under_tensorboard_mid_run_ends_in_one_line_and_tells_the_webhook(
+        tmp_path: Path, tiny_sdxl_dir: Path, hook: Hook, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    import sdxl_trainer.run as run_module
+
+    log_step = run_module.log_step
+
+    def filling(*args: Any, **kwargs: Any) -> None:  # the disk fills up once training has started
+        full_disk(monkeypatch)
+        log_step(*args, **kwargs)
+
+    monkeypatch.setattr(run_module, "log_step", filling)
+    config = tiny_config(tmp_path, training={"num_steps": 3, "log_every": 1})
+    config["run"]["notify"] = {"url": hook.url}
+    assert train_sdxl.main(["--config", str(write_config(tmp_path / "c.json", config))]) == 1
+    assert "error: cannot write " in capsys.readouterr().err
+    assert [(body["event"], body["status"]) for body in hook.bodies] == [
+        ("start", "started"), ("error", "failed: could not write the outputs")]
