@@ -198,3 +198,23 @@ def test_an_adapter_run_is_offered_a_quantized_base_where_it_runs(tmp_path, tiny
     assert quantized_base_remedies(validate_config(tiny_config(tmp_path, model={"base_quantization": "nf4"})),
                                    "cpu") == []
     assert list(quantized_base_remedies(dora, "mps")) == []  # no float8 on MPS, no bitsandbytes NF4 there
+
+
+def test_the_plan_cache_key_tells_apart_what_changes_the_plan(tmp_path, tiny_sdxl_dir):
+    """Output preservation (two more UNet passes) and textual inversion alone (no UNet trained)
+    plan differently from the plain run: a cached plan of one is not the plan of the others.
+    Textual inversion alone is skipped with its reason, not a failed trace."""
+    from sdxl_trainer.memory.architecture import PlanSkipped
+    from sdxl_trainer.memory.plan import StepShape, plan_memory
+    from sdxl_trainer.memory.preflight import plan_key
+
+    base = tiny_config(tmp_path, model={"train_text_encoder_1": False}, training={"lr_text_encoder_1": None})
+    preserving = {**base, "training": {**base["training"],
+                                       "output_preservation": {"trigger": "circle", "classes": ["square"]}}}
+    inversion = {**base, "textual_inversion": {"tokens": [{"token": "<x>", "vectors": 1, "init_word": "dog"}],
+                                               "train_adapter": False}}
+    shape = StepShape(2, 64, 64)
+    keys = {plan_key(validate_config(config), shape, "cpu") for config in (base, preserving, inversion)}
+    assert len(keys) == 3
+    with pytest.raises(PlanSkipped, match="textual inversion alone trains only its new embeddings"):
+        plan_memory(validate_config(inversion), shape, "cpu")

@@ -211,8 +211,10 @@ def plan_memory(config: Config, shape: StepShape, device: str) -> MemoryPlan:
     """The plan for `config` at `shape` on a device of type `device` ("cuda", "cpu", "mps")."""
     from ..precision import audit, cast_trained_parameters, place_pipeline, plan_precision
     from ..training_setup import prepare_trainable
-    from .architecture import meta_pipeline, read_architecture
+    from .architecture import PlanSkipped, meta_pipeline, read_architecture
 
+    if not config.trained_components():
+        raise PlanSkipped("textual inversion alone trains only its new embeddings, which the planner does not trace")
     architecture = read_architecture(config.model)
     precision = plan_precision(config, device, bf16_ok=True if device == "cuda" else None)
     traced = dataclasses.replace(precision, device="cpu")  # autocast("cpu") marks the region

@@ -215,8 +215,9 @@ def cached_plan(config: Config, shape: StepShape, device: str) -> MemoryPlan:
 
 
 def plan_key(config: Config, shape: StepShape, device: str) -> str:
-    """What a plan depends on: the model's architecture, the training setup, the shape, the device
-    and the library versions that decide what a step allocates."""
+    """What a plan depends on: the model's architecture, the training setup (what is trained, and
+    output preservation's extra UNet passes), the shape, the device and the library versions that
+    decide what a step allocates."""
     import diffusers
     import peft
     import torch
@@ -228,7 +229,9 @@ def plan_key(config: Config, shape: StepShape, device: str) -> str:
         "format": PLAN_FORMAT, "device": device, "shape": dataclasses.astuple(shape),
         "architecture": read_architecture(config.model).configs, "model": resolved["model"],
         "adapter": resolved["adapter"], "optimizer": resolved["optimizer"],
-        "training": {key: resolved["training"][key] for key in ("mixed_precision", "prediction_type")},
+        "training": {key: resolved["training"][key]
+                     for key in ("mixed_precision", "prediction_type", "output_preservation")},
+        "trained": config.trained_components(), "textual_inversion": resolved["textual_inversion"],
         "text_cache": [config.data.text_cache.enabled, config.data.shuffles_without_variants()],
         "versions": [torch.__version__, diffusers.__version__, peft.__version__],
     }
