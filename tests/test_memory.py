@@ -218,3 +218,21 @@ def test_the_plan_cache_key_tells_apart_what_changes_the_plan(tmp_path, tiny_sdx
     assert len(keys) == 3
     with pytest.raises(PlanSkipped, match="textual inversion alone trains only its new embeddings"):
         plan_memory(validate_config(inversion), shape, "cpu")
+
+
+def test_the_plan_traces_the_bucket_whose_step_is_largest(tmp_path, tiny_sdxl_dir):
+    """per_resolution_batch_sizes gives the small 64x64 bucket batch 6: its step (6 x 64x64) is
+    larger than the 96x64 buckets' (batch 1), and the plan is that step's."""
+    from sdxl_trainer.memory.plan import StepShape
+    from sdxl_trainer.memory.preflight import memory_preflight
+    from sdxl_trainer.planning import plan_run
+
+    config = tiny_config(tmp_path, model={"train_text_encoder_1": False},
+                         training={"lr_text_encoder_1": None, "memory_check": "warn"})
+    config["data"]["bucket"].update({"batch_size": 1, "per_resolution_batch_sizes": {"64x64": 6}})
+    config = validate_config(config)
+    plan = plan_run(config)
+    assert plan.data.batch_sizes == {(64, 96): 1, (96, 64): 1, (64, 64): 6}
+    assert StepShape.candidates(plan.data, []) == [StepShape(6, 64, 64), StepShape(1, 96, 64)]
+    memory, lines = memory_preflight(config, plan, dry_run=False)
+    assert memory.shape == StepShape(6, 64, 64) and "batch 6 at 64x64" in lines.splitlines()[0]

@@ -5,7 +5,7 @@ arithmetic), then the optimizer's first step (which creates its state) and the f
 backward pass of a later step, and counts the live tensor bytes as they come and go
 (`tracker.LiveBytes`). What it runs is what training runs: the precision plan's casts, peft's
 adapters (or the unfrozen weights), gradient checkpointing, the optimizer's own state, the EMA
-copy, the loss of a batch of the largest bucket; then one eval image (the UNet at the CFG batch,
+copy, the loss of a batch of the bucket with the largest step; then one eval image (the UNet at the CFG batch,
 the fp32 VAE decode). The peak is the largest number of bytes alive at once.
 
 Meta tensors have no autocast and no fused attention kernels, so `DeviceRules` does what the
@@ -48,7 +48,7 @@ CAPTION = "a photo of a red circle on a blue background"
 
 @dataclass(frozen=True)
 class StepShape:
-    """The largest step of a run: a batch of the largest bucket, and the largest eval image."""
+    """One step of a run to plan: a batch of one bucket, and the largest eval image."""
 
     batch: int
     height: int  # pixels
@@ -57,11 +57,16 @@ class StepShape:
     ddp: bool = False  # several processes under DDP (not FSDP): its reducer's gradient buckets
 
     @classmethod
-    def of(cls, data_plan, prompts, ddp: bool = False) -> StepShape:
-        width, height = max(set(data_plan.targets), key=lambda target: (target[0] * target[1], target))
+    def candidates(cls, data_plan, prompts, ddp: bool = False) -> list[StepShape]:
+        """The steps that can need the most memory: the bucket with the most pixels per step
+        (batch x area; per_resolution_batch_sizes can give a smaller bucket the larger step), and
+        the largest bucket when it differs (attention grows faster than its area)."""
         sizes = [(prompt.height, prompt.width) for prompt in prompts]
         largest_eval = max(sizes, key=lambda size: (size[0] * size[1], size)) if sizes else None
-        return cls(data_plan.batch_sizes[(width, height)], height, width, largest_eval, ddp)
+        steps = {(data_plan.batch_sizes[(width, height)], height, width) for width, height in set(data_plan.targets)}
+        most_pixels = max(steps, key=lambda step: (step[0] * step[1] * step[2], step))
+        largest = max(steps, key=lambda step: (step[1] * step[2], step[0], step))
+        return [cls(*step, largest_eval, ddp) for step in dict.fromkeys((most_pixels, largest))]
 
 
 @dataclass

@@ -57,14 +57,16 @@ def memory_preflight(config: Config, plan: RunPlan, dry_run: bool) -> tuple[Memo
     check, device = config.training.memory_check, run_device_type()
     if check == "off" or (check == "auto" and device == "cpu" and not dry_run):
         return None, ""
-    shape = StepShape.of(plan.data, plan.prompts, ddp=plan.data.world_size > 1 and not fsdp_requested(os.environ))
+    shapes = StepShape.candidates(plan.data, plan.prompts,
+                                  ddp=plan.data.world_size > 1 and not fsdp_requested(os.environ))
     try:
-        memory = cached_plan(config, shape, device)
+        memory = max((cached_plan(config, shape, device) for shape in shapes), key=lambda planned: planned.peak)
     except PlanSkipped as exc:
         return None, f"memory plan: skipped ({exc}); the run itself is unaffected"
     except (RuntimeError, TypeError, ValueError, NotImplementedError) as exc:  # an operation the trace cannot run
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return None, f"memory plan: skipped (the trace failed: {reason}); the run itself is unaffected"
+    shape = memory.shape
     lines = [describe(memory, config)]
     if dry_run:  # the other gradient-checkpointing setting, planned too (a second trace, once)
         other = not config.model.use_gradient_checkpointing
