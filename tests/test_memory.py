@@ -233,6 +233,29 @@ def test_the_plan_traces_the_bucket_whose_step_is_largest(tmp_path, tiny_sdxl_di
     config = validate_config(config)
     plan = plan_run(config)
     assert plan.data.batch_sizes == {(64, 96): 1, (96, 64): 1, (64, 64): 6}
-    assert StepShape.candidates(plan.data, []) == [StepShape(6, 64, 64), StepShape(1, 96, 64)]
+    assert StepShape.candidates(plan.data, []) == [StepShape(6, 64, 64), StepShape(1, 64, 96)]
     memory, lines = memory_preflight(config, plan, dry_run=False)
     assert memory.shape == StepShape(6, 64, 64) and "batch 6 at 64x64" in lines.splitlines()[0]
+
+
+def test_the_eval_peak_is_planned_at_the_batch_eval_samples(tmp_path, tiny_sdxl_dir):
+    """The kdiffusion backend samples up to eval.batch_size prompts of one size in one UNet call:
+    three 64x64 prompts at batch_size 4 are a CFG batch of 6, which the eval peak is traced at."""
+    import dataclasses
+    import json
+
+    from sdxl_trainer.memory.plan import plan_memory
+    from sdxl_trainer.memory.preflight import memory_preflight
+    from sdxl_trainer.planning import plan_run
+
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([{"prompt": f"a red circle {seed}", "seed": seed, "width": 64, "height": 64}
+                                   for seed in (1, 2, 3)]), encoding="utf-8")
+    config = validate_config(tiny_config(
+        tmp_path, training={"memory_check": "warn"},
+        eval={"prompts_path": str(prompts), "batch_size": 4, "sampler_name": "euler", "scheduler": "normal",
+              "backend": "kdiffusion", "final": {"enabled": True}}))
+    memory, lines = memory_preflight(config, plan_run(config), dry_run=False)
+    assert memory.shape.eval_batch == 3 and "(UNet on the CFG batch of 6 at 64x64" in lines
+    one_at_a_time = plan_memory(config, dataclasses.replace(memory.shape, eval_batch=1), "cpu")
+    assert memory.eval_peak > one_at_a_time.eval_peak

@@ -92,7 +92,7 @@ def run_evaluation(
     images = []
     with _pipeline_state_kept(pipe), global_rng_kept(pipe.device), torch.inference_mode():
         vae = fp32_vae(pipe.vae)
-        for batch in prompt_batches(prompts, eval_config.batch_size if comfyui else 1):
+        for batch in prompt_batches(prompts, batch_size(eval_config)):
             # A fresh scheduler per image, and the prompt's seed also in the global CPU generator (which
             # e.g. DPMSolverSDEScheduler draws its noise seed from): each image depends on its seed only.
             if not comfyui:
@@ -122,6 +122,17 @@ def run_evaluation(
     if invalid:
         _report_invalid(where, prompts, reasons, paths)
     return EvalResult(folder=folder, images=paths, grid=folder / GRID_NAME, invalid=invalid)
+
+
+def batch_size(eval_config: EvalConfig) -> int:
+    """Prompts sampled in one UNet call: eval.batch_size on the kdiffusion backend; the diffusers
+    backend renders one at a time."""
+    return eval_config.batch_size if eval_backend(eval_config) == "kdiffusion" else 1
+
+
+def largest_batch(eval_config: EvalConfig, prompts: list[EvalPrompt]) -> int:
+    """The most prompts eval samples in one UNet call (for the memory plan)."""
+    return max((len(batch) for batch in prompt_batches(prompts, batch_size(eval_config))), default=1)
 
 
 def prompt_batches(prompts: list[EvalPrompt], size: int) -> list[list[EvalPrompt]]:

@@ -5,8 +5,9 @@ arithmetic), then the optimizer's first step (which creates its state) and the f
 backward pass of a later step, and counts the live tensor bytes as they come and go
 (`tracker.LiveBytes`). What it runs is what training runs: the precision plan's casts, peft's
 adapters (or the unfrozen weights), gradient checkpointing, the optimizer's own state, the EMA
-copy, the loss of a batch of the bucket with the largest step; then one eval image (the UNet at the CFG batch,
-the fp32 VAE decode). The peak is the largest number of bytes alive at once.
+copy, the loss of a batch of the bucket with the largest step; then eval's largest UNet call (the CFG
+batch of its largest batch of prompts) and one fp32 VAE decode. The peak is the largest number of
+bytes alive at once.
 
 Meta tensors have no autocast and no fused attention kernels, so `DeviceRules` does what the
 device would do: it casts the inputs of the layers autocast runs in bf16/fp16 (and, on CUDA, those
@@ -55,18 +56,19 @@ class StepShape:
     width: int
     eval_size: tuple[int, int] | None = None  # (height, width) of the largest eval image; None: no eval
     ddp: bool = False  # several processes under DDP (not FSDP): its reducer's gradient buckets
+    eval_batch: int = 1  # the most prompts eval samples in one UNet call (eval.batch_size on kdiffusion)
 
     @classmethod
-    def candidates(cls, data_plan, prompts, ddp: bool = False) -> list[StepShape]:
+    def candidates(cls, data_plan, prompts, ddp: bool = False, eval_batch: int = 1) -> list[StepShape]:
         """The steps that can need the most memory: the bucket with the most pixels per step
         (batch x area; per_resolution_batch_sizes can give a smaller bucket the larger step), and
         the largest bucket when it differs (attention grows faster than its area)."""
         sizes = [(prompt.height, prompt.width) for prompt in prompts]
         largest_eval = max(sizes, key=lambda size: (size[0] * size[1], size)) if sizes else None
         steps = {(data_plan.batch_sizes[(width, height)], height, width) for width, height in set(data_plan.targets)}
-        most_pixels = max(steps, key=lambda step: (step[0] * step[1] * step[2], step))
-        largest = max(steps, key=lambda step: (step[1] * step[2], step[0], step))
-        return [cls(*step, largest_eval, ddp) for step in dict.fromkeys((most_pixels, largest))]
+        most_pixels = max(steps, key=lambda step: (step[0] * step[1] * step[2], step[2], step[1]))
+        largest = max(steps, key=lambda step: (step[1] * step[2], step[2], step[1], step[0]))
+        return [cls(*step, largest_eval, ddp, eval_batch) for step in dict.fromkeys((most_pixels, largest))]
 
 
 @dataclass
@@ -366,23 +368,25 @@ def _state_bytes(optimizer) -> int:
 
 
 def _trace_eval(pipe: StableDiffusionXLPipeline, traced: PrecisionPlan, shape: StepShape, live: LiveBytes) -> None:
-    """One eval image at the largest eval size: the UNet on the CFG batch (the prompt and its
-    negative), then the fp32 VAE decode, with the training state still alive."""
+    """Eval's largest UNet call at the largest eval size: the CFG batch (each prompt of the largest
+    eval batch and its negative), then the fp32 VAE decode of one image, with the training state
+    still alive."""
     from ..conditioning import add_time_ids
     from ..eval.evaluation import fp32_vae
 
     height, width = shape.eval_size
+    cfg_batch = 2 * shape.eval_batch
     live.reset_peak()
     unet, vae = pipe.unet, pipe.vae
-    latents = torch.zeros(2, unet.config.in_channels, height // 8, width // 8, device="meta")
-    sizes = torch.tensor([[height, width]] * 2)
-    text = torch.zeros(2, pipe.tokenizer.model_max_length, unet.config.cross_attention_dim,
+    latents = torch.zeros(cfg_batch, unet.config.in_channels, height // 8, width // 8, device="meta")
+    sizes = torch.tensor([[height, width]] * cfg_batch)
+    text = torch.zeros(cfg_batch, pipe.tokenizer.model_max_length, unet.config.cross_attention_dim,
                        dtype=traced.torch_dtype(traced.compute), device="meta")
-    pooled = torch.zeros(2, pipe.text_encoder_2.config.projection_dim, dtype=text.dtype, device="meta")
-    time_ids = add_time_ids(sizes, torch.zeros(2, 2, dtype=torch.long), sizes).to("meta")
+    pooled = torch.zeros(cfg_batch, pipe.text_encoder_2.config.projection_dim, dtype=text.dtype, device="meta")
+    time_ids = add_time_ids(sizes, torch.zeros(cfg_batch, 2, dtype=torch.long), sizes).to("meta")
     with torch.no_grad():
         with traced.autocast():
-            noise = unet(latents, torch.tensor([999, 999], device="meta"), encoder_hidden_states=text,
+            noise = unet(latents, torch.full((cfg_batch,), 999, device="meta"), encoder_hidden_states=text,
                          added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids}).sample
         del noise
         image = fp32_vae(vae).decode(latents[:1] / vae.config.scaling_factor).sample

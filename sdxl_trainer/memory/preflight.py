@@ -52,13 +52,14 @@ def free_memory(device: str) -> int | None:
 def memory_preflight(config: Config, plan: RunPlan, dry_run: bool) -> tuple[MemoryPlan | None, str]:
     """The plan and its pre-flight lines; raises ConfigError when it does not fit and
     `training.memory_check` is "refuse"."""
+    from ..eval.evaluation import largest_batch
     from .architecture import PlanSkipped
 
     check, device = config.training.memory_check, run_device_type()
     if check == "off" or (check == "auto" and device == "cpu" and not dry_run):
         return None, ""
-    shapes = StepShape.candidates(plan.data, plan.prompts,
-                                  ddp=plan.data.world_size > 1 and not fsdp_requested(os.environ))
+    shapes = StepShape.candidates(plan.data, plan.prompts, plan.data.world_size > 1 and not fsdp_requested(os.environ),
+                                  largest_batch(config.eval, plan.prompts))
     try:
         memory = max((cached_plan(config, shape, device) for shape in shapes), key=lambda planned: planned.peak)
     except PlanSkipped as exc:
@@ -110,7 +111,7 @@ def describe(memory: MemoryPlan, config: Config) -> str:
     lines.append(f"  activations and temporaries at the training peak {size(memory.activations)} "
                  f"(gradient checkpointing {checkpointing})")
     if shape.eval_size:
-        lines.append(f"  eval peak {size(memory.eval_peak)} (UNet on the CFG batch at "
+        lines.append(f"  eval peak {size(memory.eval_peak)} (UNet on the CFG batch of {2 * shape.eval_batch} at "
                      f"{shape.eval_size[1]}x{shape.eval_size[0]}, fp32 VAE decode)")
     if memory.workspace:
         lines.append(f"  cuBLAS workspaces {size(memory.workspace)}; the CUDA context (about 0.5 GB) is "
