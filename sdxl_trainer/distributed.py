@@ -66,6 +66,12 @@ def fsdp_requested(environ: Mapping[str, str]) -> bool:
     return environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
 
 
+def local_device_index(environ: Mapping[str, str], device_count: int) -> int:
+    """This process's GPU before the Accelerator exists, as accelerate picks it (PartialState.
+    set_device): LOCAL_RANK modulo the visible devices; 0 for a single process."""
+    return int(environ.get("LOCAL_RANK", 0)) % max(device_count, 1)
+
+
 def is_sharded(accelerator: Accelerator) -> bool:
     return accelerator.distributed_type.value == "FSDP"
 

@@ -259,3 +259,19 @@ def test_the_eval_peak_is_planned_at_the_batch_eval_samples(tmp_path, tiny_sdxl_
     assert memory.shape.eval_batch == 3 and "(UNet on the CFG batch of 6 at 64x64" in lines
     one_at_a_time = plan_memory(config, dataclasses.replace(memory.shape, eval_batch=1), "cpu")
     assert memory.eval_peak > one_at_a_time.eval_peak
+
+
+def test_each_process_of_a_launch_asks_its_own_gpu_for_free_memory(monkeypatch):
+    """The pre-flight runs before the Accelerator sets each process's device: the free memory is
+    read on LOCAL_RANK's GPU (modulo the visible ones, as accelerate picks it), not cuda:0 for all."""
+    from sdxl_trainer.memory.preflight import free_memory
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)  # no GPU here: the driver's answers
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: asked.append(device) or (1, 2))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    free_memory("cuda")
+    for rank in ("1", "3", "5"):
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        free_memory("cuda")
+    assert asked == [0, 1, 3, 1]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ..atomic import write_json
 from ..config import Config, ConfigError
 from ..device_types import run_device_type
-from ..distributed import fsdp_requested
+from ..distributed import fsdp_requested, local_device_index
 from .plan import MemoryPlan, StepShape, plan_memory
 from .watch import proc_bytes
 
@@ -39,11 +39,12 @@ class Remedy:
 
 
 def free_memory(device: str) -> int | None:
-    """Bytes free on the device now (CUDA: what the driver reports; CPU: MemAvailable)."""
+    """Bytes free on the device now (CUDA: what the driver reports for this process's GPU, not
+    cuda:0 for every process of a launch; CPU: MemAvailable)."""
     import torch
 
     if device == "cuda":
-        return torch.cuda.mem_get_info()[0]
+        return torch.cuda.mem_get_info(local_device_index(os.environ, torch.cuda.device_count()))[0]
     if device == "mps":
         return torch.mps.recommended_max_memory() - torch.mps.driver_allocated_memory()
     return proc_bytes("/proc/meminfo", "MemAvailable")
