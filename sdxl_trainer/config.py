@@ -221,8 +221,10 @@ class TrackerConfig(Section):
                           "them later).")
     dir: str | None = Field(None, description="Local folder: wandb's files (default `./wandb`), mlflow's file "
                             "store (tracking URI `file:<dir>`), aim's repository (default `.`).")
-    tracking_uri: str | None = Field(None, description="mlflow: the tracking server or store (default "
-                                     "`MLFLOW_TRACKING_URI`, else mlflow's own default).")
+    tracking_uri: str | None = Field(None, description="mlflow: the tracking server or store, a URI (`http://…`, "
+                                     "`file:…`) or a folder path (a file store there); default "
+                                     "`MLFLOW_TRACKING_URI`, else a file store in `<output folder>/mlruns` "
+                                     "(mlflow 3's own default, SQLite, needs the full mlflow package).")
 
     @field_validator("type", mode="before")
     @classmethod

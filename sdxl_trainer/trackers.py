@@ -22,6 +22,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from .atomic import OutputWriteError, reported_write_failures
 from .config import Config, ConfigError, TrackerConfig
@@ -125,11 +126,10 @@ class MLflow(Tracker):
         import mlflow
         from accelerate.tracking import MLflowTracker
 
-        uri = settings.tracking_uri or (Path(settings.dir).resolve().as_uri() if settings.dir else None)
-        if uri and uri.startswith("file:"):  # mlflow 3 keeps its file store only on request (no SQL in -skinny)
+        uri = mlflow_uri(settings)
+        if uri.startswith("file:"):  # mlflow 3 keeps its file store only on request (no SQL in -skinny)
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        if uri:
-            mlflow.set_tracking_uri(uri)
+        mlflow.set_tracking_uri(uri)
         self.tracker = MLflowTracker(settings.project, run_id=resume_id, run_name=name,
                                      tags={tag: "" for tag in settings.tags} or None)
         self.tracker.start()
@@ -156,6 +156,24 @@ class MLflow(Tracker):
         import mlflow
 
         mlflow.end_run(status="FINISHED" if code == FINISHED else "KILLED" if code == INTERRUPTED else "FAILED")
+
+
+def mlflow_uri(settings: TrackerConfig) -> str:
+    """The tracking URI: `dir`'s file store, else `tracking_uri` or MLFLOW_TRACKING_URI, where a
+    path without a scheme is a file store there (a drive letter is no scheme)."""
+    if settings.dir:
+        return Path(settings.dir).resolve().as_uri()
+    uri = settings.tracking_uri or os.environ["MLFLOW_TRACKING_URI"]  # with_default_store set dir otherwise
+    return uri if len(urlparse(uri).scheme) > 1 else Path(uri).resolve().as_uri()
+
+
+def with_default_store(settings: TrackerConfig, config: Config) -> TrackerConfig:
+    """mlflow with no store named anywhere logs to a file store in the run's output folder: mlflow
+    3's own default is an SQLite store, which mlflow-skinny cannot open."""
+    named = settings.dir or settings.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if settings.type != "mlflow" or named:
+        return settings
+    return settings.model_copy(update={"dir": str(config.output_dir / "mlruns")})
 
 
 class CometML(Tracker):
@@ -266,7 +284,7 @@ def start_tracker(config: Config, index: int, resume_id: str | None, preflight: 
     """Start (or, given its saved id, continue) one tracker's run; a new run gets the resolved config
     and the pre-flight report once. A saved run the tracker cannot continue (its store was moved) is
     a warning and a new run; a tracker that cannot start is a ConfigError."""
-    settings = config.training.trackers[index]
+    settings = with_default_store(config.training.trackers[index], config)
     kind, name = KINDS[settings.type], settings.run_name or config.run.name
 
     def begin(run_id: str | None) -> Tracker:

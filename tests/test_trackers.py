@@ -404,3 +404,23 @@ def test_a_full_disk_under_tensorboard_mid_run_ends_in_one_line_and_tells_the_we
     assert "error: cannot write " in capsys.readouterr().err
     assert [(body["event"], body["status"]) for body in hook.bodies] == [
         ("start", "started"), ("error", "failed: could not write the outputs")]
+
+
+@pytest.mark.parametrize("store", ["none", "plain path"])
+def test_mlflow_starts_with_mlflow_skinny_without_a_store_or_with_a_plain_path(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store: str) -> None:
+    """mlflow 3's own default store is SQLite, which mlflow-skinny cannot open, and a plain path is
+    a file store only with MLFLOW_ALLOW_FILE_STORE: both start now, as file stores."""
+    from mlflow.tracking import MlflowClient
+
+    from sdxl_trainer.trackers import start_tracker
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    tracker = {"type": "mlflow"} if store == "none" else {"type": "mlflow", "tracking_uri": "./store"}
+    config = validate_config(tiny_config(tmp_path, training={"trackers": [tracker]}))
+    started = start_tracker(config, 0, None, "preflight")
+    started.close(0)
+    folder = config.output_dir / "mlruns" if store == "none" else tmp_path / "store"
+    assert MlflowClient(folder.as_uri()).get_run(started.run_id).info.status == "FINISHED"
