@@ -899,6 +899,10 @@ class Config(Section):
         if inversion.train_adapter and self.adapter.type == "none":
             raise _KeyError("textual_inversion.train_adapter", 'trains an adapter, but adapter.type is "none" '
                             "(a full fine-tune with new tokens is not supported)")
+        if self.adapter.type == "none":  # else the UNet would be planned, kept and exported as fully trained
+            raise _KeyError("adapter.type", 'is "none" (a full fine-tune), which textual_inversion.tokens do not '
+                            "support: textual inversion alone trains no adapter whatever adapter.type is, so "
+                            "leave it at its default")
         if not inversion.train_adapter:
             if inversion.train_fraction < 1:
                 raise _KeyError("textual_inversion.train_fraction", "is below 1, but textual inversion alone "

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from sdxl_trainer.adapter_kinds import ADAPTER_KINDS
 from sdxl_trainer.conditioning import encode_prompts
-from sdxl_trainer.config import Config, ConfigError, ModelConfig, TextualInversionConfig
+from sdxl_trainer.config import Config, ConfigError, ModelConfig, TextualInversionConfig, validate_config
 from sdxl_trainer.embeddings import add_tokens, save_embedding_files
 from sdxl_trainer.eval.eval_prompts import EvalPrompt
 from sdxl_trainer.eval.evaluation import run_evaluation
@@ -242,3 +242,15 @@ def test_eval_prompts_read_the_trained_vectors(tmp_path: Path, pipe, max_tokens:
     with torch.no_grad():
         tokens.tables["text_encoder_2"].new[1] += 1.0  # <qz>_1, read only where the prompt's <qz> is
     assert render("after") != before
+
+
+def test_textual_inversion_alone_with_adapter_type_none_is_refused(tmp_path: Path) -> None:
+    """adapter.type "none" is a full fine-tune, which new tokens do not support (docs/training.md):
+    textual inversion alone with it is refused in one line naming the key, not run as a full
+    fine-tune that stores and exports an untrained fp32 UNet."""
+    config = tiny_config(tmp_path, adapter={"type": "none"}, model={"train_text_encoder_1": False},
+                         training={"lr_text_encoder_1": None},
+                         textual_inversion={"tokens": [{"token": "<x>", "init_word": "dog"}], "train_adapter": False})
+    with pytest.raises(ConfigError, match=r'adapter.type is "none" \(a full fine-tune\), which '
+                                          r"textual_inversion.tokens do not support"):
+        validate_config(config)
