@@ -220,7 +220,7 @@ class TrackerConfig(Section):
     offline: bool = Field(False, description="wandb and comet_ml: log to local files only (`wandb sync` uploads "
                           "them later).")
     dir: str | None = Field(None, description="Local folder: wandb's files (default `./wandb`), mlflow's file "
-                            "store (tracking URI `file:<dir>`), aim's repository (default `.`).")
+                            "store (tracking URI `file:<dir>`), aim's repository (default `.`); not comet_ml.")
     tracking_uri: str | None = Field(None, description="mlflow: the tracking server or store, a URI (`http://…`, "
                                      "`file:…`) or a folder path (a file store there); default "
                                      "`MLFLOW_TRACKING_URI`, else a file store in `<output folder>/mlruns` "
@@ -239,6 +239,11 @@ class TrackerConfig(Section):
             raise ValueError(f"offline applies to wandb and comet_ml; {self.type} logs where dir or tracking_uri say")
         if self.tracking_uri and (self.type != "mlflow" or self.dir):
             raise ValueError("tracking_uri is mlflow's, and replaces dir (set one of them)")
+        if self.dir and self.type == "comet_ml":
+            raise ValueError("dir applies to wandb, mlflow and aim; comet_ml keeps its offline files where "
+                             "COMET_OFFLINE_DIRECTORY says")
+        if self.entity and self.type not in ("wandb", "comet_ml"):
+            raise ValueError(f"entity applies to wandb (its entity) and comet_ml (its workspace); {self.type} has none")
         return self
 
 

@@ -127,7 +127,11 @@ def test_trackers_are_checked_at_config_and_preflight_time(tmp_path: Path, capsy
     for trackers, message in (([{"type": "tensorboard"}], "training.trackers.0.type = \"tensorboard\": TensorBoard "
                                                           "is on by default and set by training.tensorboard"),
                               ([{"type": "wandb"}, {"type": "wandb"}], "lists wandb more than once"),
-                              ([{"type": "mlflow", "offline": True}], "offline applies to wandb and comet_ml")):
+                              ([{"type": "mlflow", "offline": True}], "offline applies to wandb and comet_ml"),
+                              ([{"type": "comet_ml", "dir": "c"}], "dir applies to wandb, mlflow and aim"),
+                              ([{"type": "mlflow", "entity": "me"}], "entity applies to wandb (its entity) and "
+                                                                     "comet_ml (its workspace); mlflow has none"),
+                              ([{"type": "aim", "entity": "me"}], "aim has none")):
         with pytest.raises(ConfigError, match=re.escape(message)):
             validate_config(minimal(trackers=trackers))
     with pytest.raises(ConfigError, match=re.escape("run.notify needs exactly one of url and url_env")):
