@@ -28,6 +28,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 from .atomic import atomic_path
+from .finite import non_finite_names
 from .formats.adapter_files import (
     PEFT,
     AdapterFile,
@@ -94,6 +95,7 @@ def resize(path: Path, choice: RankChoice, base: StableDiffusionXLPipeline | Non
             raise ResizeError(f"{path}: an SD 1.x adapter (lora_te_ keys, one text encoder), not SDXL's")
         modules, errors = [], []
         for module in adapter.modules():
+            _check_finite(path, module)
             weight = _layer_weight(path, model, module, base is not None)
             resized, error = _resize_module(module, choice, weight)
             modules.append(resized)
@@ -101,6 +103,14 @@ def resize(path: Path, choice: RankChoice, base: StableDiffusionXLPipeline | Non
         other = {key: adapter.reader.get(key) for key in adapter.other_keys}
         metadata = _metadata(adapter.format, adapter.metadata, modules)
         return Resized(modules, errors, other, metadata, adapter.format)
+
+
+def _check_finite(path: Path, module: AdapterModule) -> None:
+    """A module holding NaN/Inf is refused: its resized factors and kept magnitude would be too."""
+    bad = non_finite_names(module.tensors.items())
+    if bad:
+        raise ResizeError(f"{path}: {module.label} holds NaN/Inf in its {', '.join(bad)}: repair the file with "
+                          "fix_dora_weights.py first")
 
 
 def _layer_weight(path: Path, model: object, module: AdapterModule, real: bool) -> torch.Tensor | None:
@@ -174,6 +184,9 @@ def write_resized(resized: Resized, destination: Path) -> Path:
     tensors = {module.keys[role]: tensor.contiguous() for module in resized.modules
                for role, tensor in module.tensors.items()}
     tensors |= {key: tensor.contiguous() for key, tensor in resized.other.items()}
+    bad = non_finite_names(tensors.items())
+    if bad:
+        raise ResizeError(f"the resized adapter would hold NaN/Inf in {', '.join(bad[:5])}: nothing written")
     with atomic_path(destination) as tmp:
         save_file(tensors, str(tmp), metadata=resized.metadata)
     return destination

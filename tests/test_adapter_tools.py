@@ -362,6 +362,17 @@ def test_bad_extract_input_is_one_line_and_exit_2(models: SimpleNamespace, tmp_p
         _refused(extract_adapter.main, ["--base", "builtin:tiny-sdxl", *argv, "--out", out], capsys, tmp_path, words)
 
 
+def _damaged(path: Path, folder: Path, suffix: str) -> Path:
+    """A copy of the adapter file with a NaN in the first UNet tensor whose key ends in `suffix`."""
+    with safe_open(str(path), framework="pt") as handle:
+        tensors, metadata = {key: handle.get_tensor(key) for key in handle.keys()}, handle.metadata()  # noqa: SIM118
+    key = next(key for key in tensors if key.startswith("lora_unet_") and key.endswith(suffix))
+    tensors[key].view(-1)[0] = float("nan")
+    damaged = folder / f"nan_{suffix}.safetensors"
+    save_file(tensors, str(damaged), metadata=metadata)
+    return damaged
+
+
 def test_bad_resize_input_is_one_line_and_exit_2(rank3: SimpleNamespace, tmp_path: Path,
                                                capsys: pytest.CaptureFixture) -> None:
     kohya = rank3.dora[1]
@@ -371,8 +382,11 @@ def test_bad_resize_input_is_one_line_and_exit_2(rank3: SimpleNamespace, tmp_pat
     pair = {"lora_down.weight": torch.zeros(2, 320), "lora_up.weight": torch.zeros(320, 2), "alpha": torch.tensor(2.0)}
     save_file({f"lora_te_text_model_encoder_layers_0_mlp_fc1.{key}": value for key, value in pair.items()}, str(sd15))
     save_file({f"lora_unet_down_blocks_0_attentions_0_proj_in.{key}": value for key, value in pair.items()}, str(mixed))
+    nan_magnitude, nan_up = _damaged(kohya, tmp_path, "dora_scale"), _damaged(kohya, tmp_path, "lora_up.weight")
     out = str(tmp_path / "out.safetensors")
     for argv, words in (
+        ([str(nan_magnitude), "--rank", "2"], "NaN/Inf in its magnitude: repair the file with fix_dora_weights.py"),
+        ([str(nan_up), "--rank", "2"], "holds NaN/Inf in its up"),
         ([str(other), "--rank", "2"], "not an adapter file"),
         ([str(truncated), "--rank", "2"], "not a readable safetensors file"),
         ([str(sd15), "--rank", "1"], "an SD 1.x adapter"),
