@@ -122,6 +122,7 @@ def extract(base: StableDiffusionXLPipeline, tuned: StableDiffusionXLPipeline, o
             names = target_layers(base_module, component, options.targets)
             for name in names:
                 weight, target = base_module.get_submodule(name).weight, tuned_state[f"{name}.weight"]
+                _check_finite(f"{component}.{name}.weight", weight, target)
                 if torch.equal(weight, target):
                     extraction.unchanged += 1
                     continue
@@ -141,6 +142,16 @@ def extract(base: StableDiffusionXLPipeline, tuned: StableDiffusionXLPipeline, o
                                "weights' norm: not a fine-tune of this base (pass the model it was trained from)")
         extraction.layers = [_extract_layer(*layer, options) for layer in changed]
     return extraction
+
+
+def _check_finite(label: str, weight: torch.Tensor, target: torch.Tensor) -> None:
+    """A NaN/Inf weight is refused before any SVD (which fails on it) or the models' comparison
+    (for which NaN compares as no change)."""
+    from .finite import non_finite_names
+
+    bad = non_finite_names([("--base", weight), ("--tuned", target)])
+    if bad:
+        raise ExtractError(f"{' and '.join(bad)}: {label} holds NaN/Inf: no adapter can be extracted from it")
 
 
 def _same_architecture(component: str, base: dict[str, torch.Tensor],

@@ -239,6 +239,12 @@ def test_models_that_are_no_base_and_fine_tune_are_refused(models: SimpleNamespa
         extract(models.base, other, options)
     with pytest.raises(ExtractError, match="--rank 40 is above the rank of"):
         extract(models.base, models.tuned, ExtractOptions(RankChoice(40)))
+    other.unet = copy.deepcopy(models.tuned.unet)
+    with torch.no_grad():
+        other.unet.down_blocks[1].attentions[0].transformer_blocks[0].attn1.to_q.weight[0, 0] = math.nan
+    for svd in ("exact", "lowrank"):
+        with pytest.raises(ExtractError, match=r"^--tuned: unet\.down_blocks\.1\..*to_q\.weight holds NaN/Inf"):
+            extract(models.base, other, ExtractOptions(RankChoice(2, svd=svd)))
 
 
 # --- resizing --------------------------------------------------------------------------------
