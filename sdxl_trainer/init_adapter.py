@@ -175,6 +175,9 @@ def _match(path: Path, modules: list[AdapterModule],
             continue
         damage = [finding.detail for finding in check_module(module, None)
                   if finding.kind in (UNUSABLE, NON_FINITE, MAGNITUDE_NON_FINITE)]
+        if module.magnitude is not None and module.algorithm != "lora":
+            raise ConfigError(f"{KEY}: {path}: {_named(module)}: a {module.algorithm} module with a DoRA magnitude "
+                              "(LyCORIS's dora_wd), which this trainer cannot train on")
         if module.magnitude is not None and (module.magnitude_layout() or ("",))[0] != "output":
             damage.append("a DoRA magnitude on the input axis (LyCORIS before 3.2), which cannot be continued as "
                           "the output-axis DoRA this trainer trains")

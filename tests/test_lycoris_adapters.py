@@ -327,3 +327,59 @@ def test_the_preflight_warns_where_lycoris_cannot_load_the_lokr_file(tmp_path: P
                             "--set", "adapter.lokr_factor=16"]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if "LyCORIS" in line)
     assert line.startswith("  warning: LyCORIS 4.1.3 cannot load ") and line.endswith("adapter.lokr_factor 4 avoids it")
+
+
+# ------------------------------------------------------------- LyCORIS's DoRA on LoKr and LoHa
+def _lycoris_dora_file(path: Path, pipe) -> dict[str, torch.Tensor]:
+    """A kohya file of LyCORIS's `dora_wd` modules on the tiny model: LoHa on a Linear and a
+    convolution (flattened factors, dora_scale [out, 1, 1, 1]), LoKr with full factors on a Linear.
+    Returns each module's merged weight by LyCORIS's own DoRA step (`weight_decompose`)."""
+    from lycoris.functional.general import weight_decompose
+
+    from sdxl_trainer.formats.adapter_files import kohya_name_map
+
+    names = {value: key for key, value in kohya_name_map(pipe).items() if key.startswith("lora_unet_")}
+    generator = torch.Generator().manual_seed(0)
+    tensors, expected = {}, {}
+    for kind, layer in (("loha", "mid_block.attentions.0.transformer_blocks.0.attn1.to_q"),
+                        ("loha", "mid_block.resnets.0.conv1"),
+                        ("lokr", "mid_block.attentions.0.transformer_blocks.0.attn1.to_k")):
+        name, weight = names[("unet", layer)], pipe.unet.get_submodule(layer).weight.detach()
+        out, inner = weight.shape[0], weight[0].numel()
+        if kind == "loha":
+            w1a, w1b, w2a, w2b = (0.1 * torch.randn(shape, generator=generator)
+                                  for shape in ((out, 2), (2, inner), (out, 2), (2, inner)))
+            part = {"hada_w1_a": w1a, "hada_w1_b": w1b, "hada_w2_a": w2a, "hada_w2_b": w2b, "alpha": torch.tensor(1.0)}
+            delta = (w1a @ w1b) * (w2a @ w2b) * 0.5
+        else:
+            w1, w2 = 0.1 * torch.randn(2, 2, generator=generator), 0.1 * torch.randn(out // 2, inner // 2,
+                                                                                        generator=generator)
+            part, delta = {"lokr_w1": w1, "lokr_w2": w2}, torch.kron(w1, w2)
+        part["dora_scale"] = weight.flatten(1).norm(dim=1).reshape(out, *[1] * (weight.dim() - 1)) * 1.5
+        tensors |= {f"{name}.{role}": value for role, value in part.items()}
+        expected[layer] = weight_decompose(weight + delta.reshape(weight.shape), part["dora_scale"], 1, True)
+    save_file(tensors, path)
+    return expected
+
+
+def test_lycoris_dora_on_lokr_and_loha_merges_as_lycoris_and_the_tools_read_it(tmp_path: Path,
+                                                                              tiny_sdxl_dir: Path) -> None:
+    """LyCORIS's DoRA on LoKr and LoHa (dora_scale beside lokr_*/hada_*): the trainer's merge is
+    LyCORIS's, the doctor reads and checks it, and adapter.init_from refuses it in one line."""
+    from sdxl_trainer.config import ConfigError, ModelConfig
+    from sdxl_trainer.formats.adapter_files import load_adapter_into
+    from sdxl_trainer.init_adapter import read_init_adapter
+
+    pipe = load_pipeline(ModelConfig(id="builtin:tiny-sdxl"))
+    path = tmp_path / "dora_lycoris.safetensors"
+    expected = _lycoris_dora_file(path, pipe)
+    assert load_adapter_into(pipe, path) == 3
+    for layer, weight in expected.items():
+        torch.testing.assert_close(pipe.unet.get_submodule(layer).weight, weight, rtol=1e-5, atol=1e-6)
+    for argv in ([], ["--base_model", "builtin:tiny-sdxl"]):
+        assert debug_dora_weights.main(["--weights_path", str(path), *argv]) == 0
+        assert fix_dora_weights.main(["--weights_path", str(path), "--dry-run", *argv]) == 0
+    config = validate_config(tiny_config(tmp_path, adapter={"type": "loha", "rank": 2, "alpha": 1,
+                                                            "init_from": str(path)}))
+    with pytest.raises(ConfigError, match=r"(loha|lokr) module with a DoRA magnitude .*cannot train on$"):
+        read_init_adapter(config, load_pipeline(config.model))

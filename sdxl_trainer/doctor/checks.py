@@ -158,7 +158,7 @@ def _check_magnitude(module: AdapterModule, base_weight: torch.Tensor | None) ->
                                 f"near float16's maximum {FP16_MAX:g}"))
     if base_weight is None:
         return findings
-    adapted_norm = channel_norms(base_weight.float() + module.delta(), axis)
+    adapted_norm = channel_norms(base_weight.float() + module.delta(base_weight.shape), axis)
     zero_norm = zero_norm_channels(magnitude, base_norm, adapted_norm)
     if zero_norm.any():
         rows = ", ".join(str(index) for index in zero_norm.nonzero().flatten()[:8].tolist())

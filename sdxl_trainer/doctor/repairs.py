@@ -173,7 +173,7 @@ def _reset_magnitude(module: AdapterModule, options: RepairOptions) -> str | Non
     if base_weight is None:
         raise _Removed(NEEDS_BASE)
     adapted = options.magnitude_from == "adapted"
-    norms = channel_norms(base_weight.float() + module.delta(), axis) if adapted else base_norm
+    norms = channel_norms(base_weight + module.delta(base_weight.shape), axis) if adapted else base_norm
     module.tensors["magnitude"] = torch.where(bad, norms, magnitude).reshape(shape)
     return f"magnitude of {int(bad.sum())} channel(s) reset to ‖{'W+ΔW' if adapted else 'W'}‖"
 
@@ -189,10 +189,12 @@ def _fix_zero_norms(module: AdapterModule, options: RepairOptions) -> str | None
     base_weight = _base_weight(module, options)
     magnitude = module.magnitude.flatten().clone()
     base_norm = channel_norms(base_weight, axis)
-    adapted_norm = channel_norms(base_weight.float() + module.delta(), axis)
+    adapted_norm = channel_norms(base_weight.float() + module.delta(base_weight.shape), axis)
     zero_norm = zero_norm_channels(magnitude, base_norm, adapted_norm)
     if not zero_norm.any():
         return None
+    if module.algorithm != "lora":
+        raise _Removed(f"zero-norm channels of a {module.algorithm} module's DoRA have no row-by-row repair")
     part, along = ("up", 0) if axis == "output" else ("down", 1)
     factor = module.tensors[part].clone()
     for channel in zero_norm.nonzero().flatten().tolist():

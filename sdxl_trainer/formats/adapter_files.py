@@ -157,10 +157,27 @@ class AdapterModule:
 
     def delta(self, shape: tuple[int, ...] | torch.Size | None = None) -> torch.Tensor:
         """ΔW = scale·(the factors' product) in fp32, shaped like the layer's weight: `shape`, or
-        for LoRA the shape its factors give."""
+        the shape the factors give (LoRA's weight shape; LoKr's and LoHa's [out, in·kernel])."""
+        flat = self.flat_delta()
         if shape is None:
-            shape = (self.out_features, *self.down.shape[1:])
-        return (self.flat_delta() * self.scale).reshape(shape)
+            shape = (self.out_features, *self.down.shape[1:]) if self.algorithm == "lora" else flat.shape
+        return (flat * self.scale).reshape(shape)
+
+    @property
+    def is_conv(self) -> bool:
+        """Whether the adapted layer is a convolution: LoRA's factors are 4-D then; LoKr's or LoHa's
+        (whose factors may be flattened) a 4-D factor or DoRA magnitude tells."""
+        if self.algorithm == "lora":
+            return self.down.dim() == 4
+        return any(tensor.dim() == 4 for tensor in self.tensors.values())
+
+    def output_magnitude_shape(self) -> tuple[int, ...]:
+        """The shape this format stores an output-axis DoRA magnitude in: peft [out] or [1, out, 1, 1],
+        kohya/LyCORIS [out, 1] or [out, 1, 1, 1]."""
+        out = self.out_features
+        if self.file_format == PEFT:
+            return (1, out, 1, 1) if self.is_conv else (out,)
+        return (out, 1, 1, 1) if self.is_conv else (out, 1)
 
     def magnitude_layout(self) -> tuple[str, tuple[int, ...]] | None:
         """The axis of the DoRA magnitude ("output": one value per output channel, "input": per
@@ -169,15 +186,14 @@ class AdapterModule:
         magnitude = self.magnitude
         if magnitude is None:
             return None
-        conv = self.down.dim() == 4
         out, size = self.out_features, magnitude.numel()
         if size == out and self.file_format == PEFT:
-            return "output", (1, out, 1, 1) if conv else (out,)
+            return "output", self.output_magnitude_shape()
         # When in == out only the shape tells the axes apart: [1, n] is LyCORIS's input axis.
         if size == out and (size != self.in_features or magnitude.dim() == 1 or magnitude.shape[0] == out):
-            return "output", (out, 1, 1, 1) if conv else (out, 1)
+            return "output", self.output_magnitude_shape()
         if size == self.in_features and self.file_format == KOHYA:
-            return "input", (1, size, 1, 1) if conv else (1, size)
+            return "input", (1, size, 1, 1) if self.is_conv else (1, size)
         return None
 
 
@@ -190,22 +206,25 @@ def channel_norms(weight: torch.Tensor, axis: str) -> torch.Tensor:
 
 
 def merged_weight(base_weight: torch.Tensor, module: AdapterModule) -> torch.Tensor:
-    """The weight the module stands for at strength 1, in fp32: W + ΔW for LoRA; for DoRA
-    V·m/‖V‖ with V = W + ΔW, the norm on the magnitude's axis (peft, LyCORIS)."""
+    """The weight the module stands for at strength 1, in fp32: W + ΔW; with a DoRA magnitude
+    (LoRA's, or LyCORIS's `dora_wd` on LoKr and LoHa, its `weight_decompose`) V·m/‖V‖ with
+    V = W + ΔW, the norm on the magnitude's axis (peft, LyCORIS)."""
     base, magnitude, layout = base_weight.float(), module.magnitude, module.magnitude_layout()
-    if module.algorithm != "lora":
-        return base + module.delta(base.shape)
+    lora = module.algorithm == "lora"
     if magnitude is None:
-        return kohya_merged_weight(base, module.down.float(), module.up.float(), module.alpha)
+        if lora:
+            return kohya_merged_weight(base, module.down.float(), module.up.float(), module.alpha)
+        return base + module.delta(base.shape)
     if layout is None:
         raise AdapterFileError(f"{module.label}: a DoRA magnitude of shape {list(magnitude.shape)} fits no "
                                f"axis of a weight of shape {list(base.shape)}")
-    if layout[0] == "output":
+    if lora and layout[0] == "output":
         dora_scale = magnitude.float().reshape(base.shape[0], *[1] * (base.dim() - 1))
         return kohya_merged_weight(base, module.down.float(), module.up.float(), module.alpha, dora_scale)
-    adapted = base + module.delta()
-    shape = (1, -1, *[1] * (base.dim() - 2))
-    return adapted * (magnitude.float().reshape(shape) / channel_norms(adapted, "input").reshape(shape))
+    adapted = base + module.delta(base.shape)
+    ones = [1] * (base.dim() - 2)
+    shape = (-1, 1, *ones) if layout[0] == "output" else (1, -1, *ones)
+    return adapted * (magnitude.float().reshape(shape) / channel_norms(adapted, layout[0]).reshape(shape))
 
 
 class AdapterFile:
