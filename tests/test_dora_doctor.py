@@ -201,6 +201,35 @@ def test_magnitude_layouts_follow_the_format() -> None:
     torch.testing.assert_close(merged_weight(weight, module), expected)
 
 
+def test_a_peft_magnitude_of_no_axis_is_rebuilt_in_pefts_shape_and_diffusers_loads_it(
+        tmp_path: Path, tiny_sdxl_dir: Path) -> None:
+    """A peft DoRA magnitude of the wrong length (a Linear's and a convolution's) is rebuilt as ‖W‖
+    in peft's shape, [out] and [1, out, 1, 1], not kohya's, so that diffusers loads the repaired file."""
+    from sdxl_trainer.adapters import save_diffusers_adapter
+    from sdxl_trainer.config import validate_config
+    from sdxl_trainer.models import load_pipeline
+    from sdxl_trainer.training_setup import prepare_trainable
+
+    config = validate_config(tiny_config(tmp_path, adapter={"type": "dora", "rank": 2, "alpha": 2, "targets": "all"}))
+    pipe = load_pipeline(config.model)
+    written = save_diffusers_adapter(tmp_path / "adapter", prepare_trainable(pipe, config).modules)
+    damaged = (NAN_MODULE, INF_MODULE)  # a Linear and a convolution
+    rewrite(written, tmp_path / "cut.safetensors", lambda tensors: tensors.update(
+        {key_of(tensors, module, "magnitude"): tensors[key_of(tensors, module, "magnitude")].flatten()[:-3].clone()
+         for module in damaged}))
+    fixed = tmp_path / "fixed.safetensors"
+    assert fix_dora_weights.main(["--weights_path", str(tmp_path / "cut.safetensors"), "--base_model", TINY,
+                                  "--output", str(fixed)]) == 0
+    tensors, judge = load_file(fixed), tiny_pipeline(tiny_sdxl_dir)
+    for module in damaged:
+        weight = judge.unet.get_submodule(module.removeprefix("unet.")).weight.detach()
+        magnitude = tensors[key_of(tensors, module, "magnitude")]
+        assert tuple(magnitude.shape) == ((weight.shape[0],) if weight.dim() == 2 else (1, weight.shape[0], 1, 1))
+        torch.testing.assert_close(magnitude.flatten(), weight.flatten(1).norm(dim=1))
+    assert debug(str(fixed))[0] == 0
+    judge.load_lora_weights(fixed.parent, weight_name=fixed.name)
+
+
 # --- every kind of damage, in one file per format ------------------------------------------------
 
 

@@ -126,7 +126,7 @@ def _shape_magnitude(module: AdapterModule, options: RepairOptions) -> str | Non
     if layout is None:
         if options.base is None:
             raise _Removed(NEEDS_BASE)
-        shape = (module.out_features, *[1] * (module.down.dim() - 1))
+        shape = module.output_magnitude_shape()
         module.tensors["magnitude"] = channel_norms(_base_weight(module, options), "output").reshape(shape)
         return f"magnitude {list(magnitude.shape)} rebuilt as ‖W‖ on the output axis {list(shape)}"
     if tuple(magnitude.shape) == layout[1]:
