@@ -18,6 +18,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from sdxl_trainer.atomic import OutputWriteError
 from sdxl_trainer.formats.converter import ConversionError, NonFiniteError, convert
 
 # `import converttosdxl` keeps working for code that calls the converter in-process.
@@ -47,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point; returns the exit code (0 ok, 1 non-finite weights, 2 usage)."""
+    """Command-line entry point; returns the exit code (0 ok, 1 non-finite weights, 2 usage or a failed write)."""
     args = _parser().parse_args(argv)
     if args.checkpoint_path.lower().endswith(".ckpt"):
         print(
@@ -66,6 +67,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConversionError as error:
         print(f"error: {error}", file=sys.stderr)
         return error.exit_code
+    except (OutputWriteError, OSError) as error:  # a full disk, an output path through a file
+        print(f"error: {error}", file=sys.stderr)
+        return ConversionError.exit_code
     except KeyboardInterrupt:
         print("interrupted; nothing was written", file=sys.stderr)
         return 130

@@ -6,7 +6,8 @@ magnitude outliers, badly shaped dora_scale and leftover key names, module by mo
 
 --weights_path takes a checkpoint or output folder of this trainer, a diffusers/peft
 pytorch_lora_weights.safetensors or a kohya/LyCORIS file. Exit code: 0 clean, 1 problems found,
-2 unreadable input. Repair what it finds with fix_dora_weights.py.
+2 unreadable input or a failed write (--json: a full disk, a path through a file). Repair what it
+finds with fix_dora_weights.py.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ reset to the base weight's norm (needs --base_model; without it such modules are
 loaders keep the base weight). Zero-norm rows are made safe, dora_scale reshaped, leftover key
 names renamed; --from-checkpoint brings broken modules back from an earlier good checkpoint.
 The output is re-read and verified before it is renamed into place. Exit code: 0 repaired (or
-nothing to repair), 1 problems left, 2 unreadable input.
+nothing to repair), 1 problems left, 2 unreadable input or a failed write (one line naming it).
 """
 
 from __future__ import annotations

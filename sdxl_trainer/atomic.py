@@ -66,11 +66,28 @@ def reported_write_failures(destination: str | os.PathLike[str]) -> Iterator[Non
             reason = "No space left on device" if "No space left" in str(exc) else "the write failed"
         else:
             raise
-        try:
-            free = f"{shutil.disk_usage(Path(destination).parent).free / 2**20:,.0f} MiB free there"
-        except OSError:
-            free = "free space unknown"
-        raise OutputWriteError(Path(destination), reason, free) from exc
+        raise OutputWriteError(Path(destination), reason, _free_space(Path(destination))) from exc
+
+
+def _free_space(destination: Path) -> str:
+    try:
+        return f"{shutil.disk_usage(destination.parent).free / 2**20:,.0f} MiB free there"
+    except OSError:
+        return "free space unknown"
+
+
+@contextlib.contextmanager
+def _making_temp(destination: Path) -> Iterator[None]:
+    """Creating the destination's folder and temp as an OutputWriteError: a folder path through
+    a file (a typo), no permission, a full disk."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in (errno.EEXIST, errno.ENOTDIR):
+            reason = f"a part of its folder path {destination.parent} is a file, not a folder"
+        else:
+            reason = exc.strerror or str(exc)
+        raise OutputWriteError(destination, reason, _free_space(destination)) from exc
 
 
 def _errno_of(exc: Exception) -> int | None:
@@ -85,8 +102,9 @@ def _errno_of(exc: Exception) -> int | None:
 def atomic_path(destination: str | os.PathLike[str]) -> Iterator[Path]:
     """Yield a temporary file path; on success it replaces `destination` in one rename."""
     destination = Path(destination)
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=_temp_prefix(destination), suffix=".tmp", dir=destination.parent)
+    with _making_temp(destination):
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=_temp_prefix(destination), suffix=".tmp", dir=destination.parent)
     os.close(fd)
     tmp = Path(tmp_name)
     try:
@@ -107,8 +125,9 @@ def atomic_dir(destination: str | os.PathLike[str]) -> Iterator[Path]:
     the old folder is first renamed aside so that it is only deleted once the new one is in place.
     """
     destination = Path(destination)
-    destination.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(destination), suffix=".tmp", dir=destination.parent))
+    with _making_temp(destination):
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(destination), suffix=".tmp", dir=destination.parent))
     try:
         with reported_write_failures(destination):
             yield tmp

@@ -225,11 +225,14 @@ def rank_choice(args: argparse.Namespace) -> RankChoice:
 
 def run_tool(command: Callable[[argparse.Namespace], None], args: argparse.Namespace,
              input_errors: tuple[type[Exception], ...]) -> int:
-    """Run a tool: bad input (`input_errors`) is one line on stderr and exit code 2; nothing is
-    written then, since every file is written atomically at the end."""
+    """Run a tool: bad input (`input_errors`) and a failed write (a full disk, an output path
+    through a file) are one line on stderr and exit code 2; nothing is written then, since every
+    file is written atomically at the end."""
+    from .atomic import OutputWriteError
+
     try:
         command(args)
-    except input_errors as error:
+    except (*input_errors, OutputWriteError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:

@@ -401,3 +401,6 @@ def test_bad_resize_input_is_one_line_and_exit_2(rank3: SimpleNamespace, tmp_pat
         ([str(kohya), "--rank", "2", "--dynamic", "sv_fro"], "--dynamic and --dynamic-param go together"),
     ):
         _refused(resize_adapter.main, [*argv, "--out", out], capsys, tmp_path, words)
+    blocked = str(tmp_path / "cut.safetensors" / "out.safetensors")  # under a file: a typo
+    _refused(resize_adapter.main, [str(kohya), "--rank", "2", "--quiet", "--out", blocked], capsys, tmp_path,
+             "cut.safetensors is a file, not a folder")

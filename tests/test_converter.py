@@ -485,6 +485,18 @@ def test_usage_errors_are_one_line_and_exit_2(tiny_copy: Path, tmp_path: Path, c
     assert not out.exists()
 
 
+def test_an_output_path_through_a_file_is_one_line_and_exit_2(tiny_sdxl_dir: Path, tmp_path: Path,
+                                                               capsys) -> None:
+    """A typo that puts the output under an existing file: one line naming it, not a traceback."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("mine")
+    for out in (blocker / "x.safetensors", blocker / "sub" / "x.safetensors"):
+        assert converttosdxl.main(["--model_path", str(tiny_sdxl_dir), "--checkpoint_path", str(out)]) == 2
+        error = capsys.readouterr().err
+        assert error.count("\n") == 1 and f"cannot write {out}: " in error and "is a file, not a folder" in error
+    assert blocker.read_text() == "mine"
+
+
 def test_help_and_usage_errors_do_not_import_torch() -> None:
     code = (
         "import sys, converttosdxl\n"

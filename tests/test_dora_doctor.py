@@ -202,7 +202,7 @@ def test_magnitude_layouts_follow_the_format() -> None:
 
 
 def test_a_peft_magnitude_of_no_axis_is_rebuilt_in_pefts_shape_and_diffusers_loads_it(
-        tmp_path: Path, tiny_sdxl_dir: Path) -> None:
+        tmp_path: Path, tiny_sdxl_dir: Path, capsys) -> None:
     """A peft DoRA magnitude of the wrong length (a Linear's and a convolution's) is rebuilt as ‖W‖
     in peft's shape, [out] and [1, out, 1, 1], not kohya's, so that diffusers loads the repaired file."""
     from sdxl_trainer.adapters import save_diffusers_adapter
@@ -228,6 +228,12 @@ def test_a_peft_magnitude_of_no_axis_is_rebuilt_in_pefts_shape_and_diffusers_loa
         torch.testing.assert_close(magnitude.flatten(), weight.flatten(1).norm(dim=1))
     assert debug(str(fixed))[0] == 0
     judge.load_lora_weights(fixed.parent, weight_name=fixed.name)
+    capsys.readouterr()
+    blocked = fixed / "out"  # an output path under a file (a typo): one line, exit 2, not 1 (problems found)
+    for main, option in ((fix_dora_weights.main, "--output"), (debug_dora_weights.main, "--json")):
+        assert main(["--weights_path", str(tmp_path / "cut.safetensors"), option, f"{blocked}.x"]) == 2
+        error = capsys.readouterr().err
+        assert error.count("\n") == 1 and f"{fixed} is a file, not a folder" in error
 
 
 # --- every kind of damage, in one file per format ------------------------------------------------

@@ -44,10 +44,13 @@ def make_parser(prog: str, doc: str) -> argparse.ArgumentParser:
 
 
 def run(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
-    """Run a script's command: bad input is one line on stderr (naming the path) and exit code 2."""
+    """Run a script's command: bad input and a failed write (a full disk, an output path through
+    a file) are one line on stderr (naming the path) and exit code 2, never 1 (problems found)."""
+    from ..atomic import OutputWriteError
+
     try:
         return command(args)
-    except INPUT_ERRORS as error:
+    except (*INPUT_ERRORS, OutputWriteError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return EXIT_UNREADABLE
     except KeyboardInterrupt:

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..atomic import write_json
+from ..atomic import OutputWriteError, write_json
 from ..config import Config, ConfigError
 from ..device_types import run_device_type
 from ..distributed import fsdp_requested, local_device_index
@@ -213,7 +213,7 @@ def cached_plan(config: Config, shape: StepShape, device: str) -> MemoryPlan:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json(path, memory.to_json())
-    except OSError:  # a read-only cache: the plan is still good
+    except (OSError, OutputWriteError):  # a read-only cache: the plan is still good
         pass
     return memory
 
