@@ -7,7 +7,8 @@
 IN is a diffusers/peft or kohya/LyCORIS file (or a folder of this trainer holding one) for SDXL;
 the output is in the same format, with alpha = rank. Each module keeps its best rank-r
 approximation (the SVD of up@down), r = --rank, or with --dynamic (kohya's resize_lora.py
-methods by name) the fewest singular values that meet --dynamic-param, at most --rank.
+methods by name) the fewest singular values that meet --dynamic-param, at most --rank. With a
+fixed --rank, modules already at or below it (say lower-rank convolutions) are kept as they are.
 
 DoRA: the magnitude is kept, because the merged weight's channel norms are the magnitude whatever
 the update: the resized adapter's merged weight has exactly the original's norms.
@@ -57,6 +58,8 @@ def resize(args: argparse.Namespace) -> None:
     base = load_models({"--base": args.base}, args.config_dir)[0] if args.base else None
     resized = resize_modules(path, choice, base)
     print(f"{path}: {resized.file_format}, {len(resized.modules)} modules")
+    if resized.kept:
+        print(f"{resized.kept} module(s) already at or below rank {choice.rank}: kept as they are")
     print_report(resized.errors, per_layer=not args.quiet)
     print(f"wrote {write_resized(resized, out)}")
 

@@ -2,7 +2,8 @@
 
 Each module's update ΔW = scale·up@down is cut to its best rank-r approximation (the SVD of the
 product, through the QR of both factors: lowrank.factorize_product), fixed or by kohya's dynamic
-methods. The output has alpha = rank (scale 1) in every module.
+methods. The output has alpha = rank (scale 1) in every resized module; with a fixed --rank, a
+module already at or below it (a file's lower-rank convolutions, say) is kept as it is.
 
 DoRA: the magnitude is kept. The merged weight m·V/‖V‖ (V = W + ΔW) has channel norms m whatever
 the update is, so keeping m makes the resized adapter's merged weight match the original's norms
@@ -51,13 +52,15 @@ class ResizeError(LowRankError):
 
 @dataclass
 class Resized:
-    """The resized modules (in file order) with their errors, the file's other tensors and metadata."""
+    """The resized modules (in file order) with their errors, the file's other tensors and metadata,
+    and how many modules were already at or below a fixed --rank (kept as they are)."""
 
     modules: list[AdapterModule]
     errors: list[LayerError]
     other: dict[str, torch.Tensor]
     metadata: dict[str, str]
     file_format: str
+    kept: int = 0
 
 
 @functools.lru_cache(maxsize=1)
@@ -93,16 +96,25 @@ def resize(path: Path, choice: RankChoice, base: StableDiffusionXLPipeline | Non
     with AdapterFile(path, kohya_name_map(model)) as adapter:
         if any(key.startswith("lora_te_") for key in adapter.reader.keys):
             raise ResizeError(f"{path}: an SD 1.x adapter (lora_te_ keys, one text encoder), not SDXL's")
-        modules, errors = [], []
+        modules, errors, kept = [], [], 0
         for module in adapter.modules():
             _check_finite(path, module)
             weight = _layer_weight(path, model, module, base is not None)
+            if choice.dynamic is None and (module.rank or 0) <= choice.rank:
+                modules.append(module)
+                errors.append(_kept_error(module, weight))
+                kept += 1
+                continue
             resized, error = _resize_module(module, choice, weight)
             modules.append(resized)
             errors.append(error)
+        if kept == len(modules):
+            top = max(module.rank or 0 for module in modules)
+            raise ResizeError(f"--rank {choice.rank} lowers no module of {path} (its highest rank is {top}): "
+                              "resizing only lowers ranks")
         other = {key: adapter.reader.get(key) for key in adapter.other_keys}
         metadata = _metadata(adapter.format, adapter.metadata, modules)
-        return Resized(modules, errors, other, metadata, adapter.format)
+        return Resized(modules, errors, other, metadata, adapter.format, kept)
 
 
 def _check_finite(path: Path, module: AdapterModule) -> None:
@@ -130,11 +142,17 @@ def _layer_weight(path: Path, model: object, module: AdapterModule, real: bool) 
     return layer.weight.detach() if real else None
 
 
+def _kept_error(module: AdapterModule, weight: torch.Tensor | None) -> LayerError:
+    """The error record of a module kept as it is: nothing is lost."""
+    delta = module.delta()
+    target = float(merged_weight(weight, module).double().square().sum()) if weight is not None else math.nan
+    shape = tuple(weight.shape) if weight is not None else (module.out_features, module.in_features)
+    return LayerError(module.label, shape, module.rank or 0, 0.0 if weight is not None else math.nan, target, 0.0,
+                      float(delta.double().square().sum()))
+
+
 def _resize_module(module: AdapterModule, choice: RankChoice,
                    weight: torch.Tensor | None) -> tuple[AdapterModule, LayerError]:
-    rank = module.rank or 0
-    if choice.rank > rank and choice.dynamic is None:
-        raise ResizeError(f"--rank {choice.rank} is above the rank {rank} of {module.label}: resizing only lowers it")
     up, down = module.up.float().flatten(1) * module.scale, module.down.float().flatten(1)
     factors = factorize_product(up, down, choice)
     tensors = dict(module.tensors)
@@ -170,11 +188,16 @@ def _metadata(file_format: str, metadata: dict[str, str], modules: list[AdapterM
     for component in {module.component for module in modules}:
         mine = [module for module in modules if module.component == component]
         default = collections.Counter(module.down.shape[0] for module in mine).most_common(1)[0][0]
-        pattern = {re.escape((module.name or "").removeprefix("text_model.")): module.down.shape[0]
-                   for module in mine if module.down.shape[0] != default}
+        ranks = {_pattern_key(module): module.down.shape[0] for module in mine if module.down.shape[0] != default}
+        alphas = {_pattern_key(module): module.alpha for module in mine if module.alpha != default}
         config |= {f"{component}.r": default, f"{component}.lora_alpha": default, f"{component}.use_rslora": False,
-                   f"{component}.rank_pattern": pattern, f"{component}.alpha_pattern": pattern}
+                   f"{component}.rank_pattern": ranks, f"{component}.alpha_pattern": alphas}
     return {**metadata, "lora_adapter_metadata": json.dumps(config)}
+
+
+def _pattern_key(module: AdapterModule) -> str:
+    """The module's key in peft's rank_pattern and alpha_pattern."""
+    return re.escape((module.name or "").removeprefix("text_model."))
 
 
 def write_resized(resized: Resized, destination: Path) -> Path:

@@ -10,7 +10,9 @@ update is computed here by a plain SVD, independently of the code under test.
 from __future__ import annotations
 
 import copy
+import json
 import math
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -300,6 +302,49 @@ def test_dynamic_resize_keeps_each_modules_own_rank_and_loads_with_the_rank_patt
                      lambda component, name: _layer_pair(models, component, name)[1])
 
 
+@pytest.mark.parametrize("which", [0, 1], ids=["diffusers", "kohya"])
+def test_modules_already_at_or_below_the_rank_are_kept_as_they_are(
+        models: SimpleNamespace, rank3: SimpleNamespace, tmp_path: Path, capsys: pytest.CaptureFixture,
+        which: int) -> None:
+    """A file whose convolutions have rank 1 (alpha 0.5), resized to 2: the convolutions are kept bit
+    for bit (peft: their rank and alpha in the patterns), every other module is cut to rank 2."""
+    with safe_open(str(rank3.lora[which]), framework="pt") as handle:
+        tensors, metadata = {key: handle.get_tensor(key) for key in handle.keys()}, handle.metadata()  # noqa: SIM118
+    down_suffix, up_suffix = (".lora_A.weight", ".lora_B.weight") if which == 0 else (".lora_down.weight",
+                                                                                      ".lora_up.weight")
+    convs = {key.removesuffix(down_suffix) for key, value in tensors.items()
+             if key.endswith(down_suffix) and value.dim() == 4}
+    for name in convs:
+        tensors[name + down_suffix] = tensors[name + down_suffix][:1].clone()
+        tensors[name + up_suffix] = tensors[name + up_suffix][:, :1].clone()
+        if which == 1:
+            tensors[f"{name}.alpha"] = torch.tensor(0.5)
+    if which == 0:
+        config = json.loads(metadata["lora_adapter_metadata"])
+        patterns = dict.fromkeys((re.escape(name.removeprefix("unet.")) for name in convs), 1)
+        config |= {"unet.rank_pattern": patterns, "unet.alpha_pattern": dict.fromkeys(patterns, 0.5)}
+        metadata["lora_adapter_metadata"] = json.dumps(config)
+    mixed, out = tmp_path / "mixed.safetensors", tmp_path / "resized.safetensors"
+    save_file(tensors, str(mixed), metadata=metadata)
+    assert resize_adapter.main([str(mixed), "--rank", "2", "--out", str(out), "--quiet"]) == 0
+    assert f"{len(convs)} module(s) already at or below rank 2: kept as they are" in capsys.readouterr().out
+    with safe_open(str(out), framework="pt") as handle:
+        resized = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+    kept = [key for key in tensors if key.removesuffix(down_suffix).removesuffix(up_suffix).removesuffix(".alpha")
+            in convs]
+    assert len(kept) == (2 + which) * len(convs) and all(torch.equal(resized[key], tensors[key]) for key in kept)
+
+    def expected(component: str, name: str) -> torch.Tensor:
+        base, tuned = _layer_pair(models, component, name)
+        if base.dim() == 2:
+            return _best_approximation(base, tuned, 2)
+        module = f"unet.{name}" if which == 0 else kohya_module_name(component, name, models.base.unet.config)
+        up, down = tensors[module + up_suffix], tensors[module + down_suffix]
+        return base + 0.5 * (up.flatten(1) @ down.flatten(1)).reshape(base.shape)
+
+    _check_fused(_fused(models, out), models, expected)
+
+
 # --- the command lines and bad input ---------------------------------------------------------
 
 
@@ -397,7 +442,7 @@ def test_bad_resize_input_is_one_line_and_exit_2(rank3: SimpleNamespace, tmp_pat
         ([str(truncated), "--rank", "2"], "not a readable safetensors file"),
         ([str(sd15), "--rank", "1"], "an SD 1.x adapter"),
         ([str(mixed), "--rank", "1"], "is no layer of SDXL"),
-        ([str(kohya), "--rank", "4"], "--rank 4 is above the rank 3"),
+        ([str(kohya), "--rank", "3"], "--rank 3 lowers no module of"),
         ([str(kohya), "--rank", "2", "--dynamic", "sv_fro"], "--dynamic and --dynamic-param go together"),
     ):
         _refused(resize_adapter.main, [*argv, "--out", out], capsys, tmp_path, words)
