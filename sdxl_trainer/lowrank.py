@@ -60,8 +60,10 @@ class RankChoice:
         import torch
 
         count = len(singular)
-        if self.dynamic is None or count == 0 or total_energy == 0:
+        if self.dynamic is None or count == 0:
             return min(self.rank, max(count, 1))
+        if total_energy == 0:  # a zero update (a layer that never trained): nothing to keep but the minimum
+            return 1
         if self.dynamic == "sv_ratio":
             kept = int(torch.sum(singular > singular[0] / self.param))
         else:

@@ -126,6 +126,13 @@ def test_dynamic_ranks_follow_kohyas_methods(dynamic: str | None, param: float, 
     assert RankChoice(cap, dynamic, param).keep(singular, float(singular.square().sum())) == kept
 
 
+@pytest.mark.parametrize(("dynamic", "param"), [("sv_ratio", 10.0), ("sv_fro", 0.9), ("sv_cumulative", 0.9)])
+def test_a_zero_update_keeps_rank_1_under_every_dynamic_method(dynamic: str, param: float) -> None:
+    """A layer that never trained (lora_up all zero) has nothing to keep: rank 1, not --rank."""
+    factors = factorize_product(torch.zeros(64, 16), torch.randn(16, 32), RankChoice(16, dynamic, param))
+    assert factors.rank == 1 and not factors.up.any()
+
+
 def test_factors_are_the_best_approximation_and_the_randomized_svd_finds_an_exact_rank() -> None:
     generator = torch.Generator().manual_seed(1)
     matrix = torch.randn(40, 60, generator=generator)
