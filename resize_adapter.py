@@ -4,11 +4,12 @@
     python resize_adapter.py .output/my_run --rank 32 --dynamic sv_fro --dynamic-param 0.9 \\
         --base builtin:tiny-sdxl --out smaller.safetensors
 
-IN is a diffusers/peft or kohya/LyCORIS file (or a folder of this trainer holding one) for SDXL;
-the output is in the same format, with alpha = rank. Each module keeps its best rank-r
-approximation (the SVD of up@down), r = --rank, or with --dynamic (kohya's resize_lora.py
-methods by name) the fewest singular values that meet --dynamic-param, at most --rank. With a
-fixed --rank, modules already at or below it (say lower-rank convolutions) are kept as they are.
+IN is a diffusers/peft or kohya/LyCORIS file for SDXL, or a folder of this trainer (where it
+holds both formats, its diffusers/peft file is read); the output is in the same format, with
+alpha = rank in every resized module. Each module keeps its best rank-r approximation (the SVD
+of up@down), r = --rank, or with --dynamic (kohya's resize_lora.py methods by name) the fewest
+singular values that meet --dynamic-param, at most --rank. With a fixed --rank, modules already
+at or below it (say lower-rank convolutions) are kept as they are.
 
 DoRA: the magnitude is kept, because the merged weight's channel norms are the magnitude whatever
 the update: the resized adapter's merged weight has exactly the original's norms.
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     description, epilog = __doc__.split("\n\n", 1)
     parser = argparse.ArgumentParser(prog="resize_adapter.py", description=description, epilog=epilog,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("input", metavar="IN", help="the adapter file (or a trainer folder holding one)")
+    parser.add_argument("input", metavar="IN", help="the adapter file, or a trainer folder (its diffusers/peft file)")
     parser.add_argument("--out", required=True, help="the resized adapter, a .safetensors file")
     parser.add_argument("--base", default=None,
                         help="the base model (as model.id); enables the merged-weight error and the shape checks")

@@ -28,6 +28,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
+from .adapter_kinds import WEIGHT_FILES
 from .atomic import atomic_path
 from .finite import non_finite_names
 from .formats.adapter_files import (
@@ -81,8 +82,12 @@ def sdxl_layout() -> SimpleNamespace:
 
 
 def input_file(path: str | Path) -> Path:
-    """The one adapter file `path` names (a file, or a folder of this trainer holding one)."""
+    """The one adapter file `path` names: a file, or a folder of this trainer, whose diffusers/peft
+    file is read where it holds both formats (as adapter.init_from reads it)."""
     files, _ = adapter_files(path)
+    peft = [file for file in files if file.name in WEIGHT_FILES]
+    if len(files) > 1 and len(peft) == 1:
+        return peft[0]
     if len(files) > 1:
         raise ResizeError(f"{path}: holds {len(files)} adapter files ({', '.join(f.name for f in files)}): "
                           "pass one of them")

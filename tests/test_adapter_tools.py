@@ -282,10 +282,12 @@ def test_resized_lora_fuses_in_diffusers_to_the_best_lower_rank_approximation(
 
 
 def test_resized_dora_keeps_the_magnitude_and_the_merged_norms(
-        models: SimpleNamespace, rank3: SimpleNamespace, tmp_path: Path) -> None:
+        models: SimpleNamespace, rank3: SimpleNamespace, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Given a trainer's folder holding both formats (docs/adapters.md's example), its diffusers file."""
     out = tmp_path / "dora_r1.safetensors"
-    assert resize_adapter.main([str(rank3.dora[0]), "--rank", "1", "--out", str(out), "--quiet",
+    assert resize_adapter.main([str(rank3.dora[0].parent), "--rank", "1", "--out", str(out), "--quiet",
                                 "--base", "builtin:tiny-sdxl"]) == 0
+    assert f"{rank3.dora[0]}: diffusers/peft, 275 modules" in capsys.readouterr().out
     with safe_open(str(rank3.dora[0]), framework="pt") as before, safe_open(str(out), framework="pt") as after:
         magnitudes = [key for key in before.keys() if "lora_magnitude_vector" in key]  # noqa: SIM118
         assert len(magnitudes) == 275
