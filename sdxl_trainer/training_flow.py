@@ -137,9 +137,10 @@ def latent_cache(models: FlowModels, plan: DatasetPlan, count: int) -> LatentCac
     from .data import build_latent_cache
     from .latent_cache import vae_fingerprint
     from .planning import make_latent_cache
+    from .precision import dtype_name
 
     vae = models.pipe.vae
-    cache = make_latent_cache(models.config, vae_fingerprint(vae.state_dict().values()))
+    cache = make_latent_cache(models.config, vae_fingerprint(vae.state_dict().values()), dtype_name(vae.dtype))
     build_latent_cache(replace(plan, samples=plan.samples[:count], validation=[]), models.config.data, cache, vae,
                        models.device)
     return cache
