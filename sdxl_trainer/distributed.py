@@ -54,7 +54,8 @@ def check_launch(config: Config, environ: Mapping[str, str]) -> None:
                                      "reduce-scatter that follows the hook; use plain data parallel "
                                      "(accelerate launch --multi_gpu) or one process"),
         "optimizer.type": (config.optimizer.type != "adamw",
-                           "8-bit AdamW (bitsandbytes) and Adafactor cannot step sharded tensors; use adamw"),
+                           "only adamw is known to step sharded tensors (8-bit AdamW and Adafactor cannot; CAME, "
+                           "Lion, Prodigy and schedule-free AdamW are untested with them); use adamw"),
     }
     wrong = [f"{key} ({reason})" for key, (refused, reason) in refusals.items() if refused]
     if wrong:
