@@ -32,17 +32,12 @@ LONG_WORD = 8  # ComfyUI's max_word_length: a word of this many tokens or more m
 
 
 def word_token_groups(tokenizer, text: str) -> list[list[int]]:
-    """The text's token ids word by word (words split at spaces and line breaks), each word looked
-    up whole first, as ComfyUI tokenizes a prompt."""
+    """The text's token ids word by word (words split at spaces and line breaks), each word
+    tokenized on its own, as ComfyUI tokenizes a prompt (one batched call). Not a vocabulary look-up
+    of `word</w>`: the tokenizer lowercases first, and CLIP's byte-level entries such as `A</w>`
+    are ids it never gives ("A photo" reads as `a</w> photo</w>`)."""
     words = [word for word in text.replace("\n", " ").split(" ") if word]
-    if not words:
-        return []
-    unknown = tokenizer.unk_token_id
-    whole = [tokenizer.convert_tokens_to_ids(f"{word}</w>") for word in words]
-    rest = [word for word, token in zip(words, whole, strict=True) if token == unknown]
-    spelled = tokenizer(rest, add_special_tokens=False).input_ids if rest else []
-    spelled.reverse()
-    return [[token] if token != unknown else spelled.pop() for token in whole]
+    return tokenizer(words, add_special_tokens=False).input_ids if words else []
 
 
 def token_chunks(tokenizer, text: str) -> list[list[int]]:

@@ -125,6 +125,14 @@ def test_comfyui_keeps_short_words_whole_and_splits_long_ones(pipe) -> None:
     assert token_chunks(tokenizer, "") == [[]] and caption_ids(tokenizer, "", 150).shape == (1, 77)
 
 
+def test_capitals_and_accents_read_as_the_pipeline_and_comfyui_read_them(pipe) -> None:
+    text = "A red circle, I see \u00e9 and H"  # "A</w>", "H</w>": byte-level entries the tokenizer never gives
+    for tokenizer in (pipe.tokenizer, pipe.tokenizer_2):
+        per_word = [token for word in text.split() for token in tokenizer(word, add_special_tokens=False).input_ids]
+        assert token_chunks(tokenizer, text) == [per_word]  # ComfyUI: the tokenizer on each word
+        assert torch.equal(caption_ids(tokenizer, text, 150), caption_ids(tokenizer, text, 75))  # the pipeline's
+
+
 def test_captions_of_different_lengths_share_a_batch_as_comfyui_batches_them(pipe) -> None:
     hidden, _ = encode(pipe, [LONG, "a b", ""], 225)
     assert hidden.shape == (3, 231, 80)
