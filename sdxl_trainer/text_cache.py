@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 CACHE_FORMAT = 1
 TOKENIZERS = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2"}
 POOLED = "text_encoder_2"  # SDXL's pooled conditioning is encoder 2's projected pooled output
+# The long-caption entries' tokenization: 2 since each word is tokenized (1 read "A" as "A</w>").
+LONG_FORMAT = 2
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -74,7 +76,7 @@ class TextCache:
         fields = {"text": text, "encoder": name, "tokenizer": spec.tokenizer_id, "weights": spec.weights_id,
                   "dtype": self.dtype, "compute": self.compute, "format": CACHE_FORMAT}
         if self.max_tokens != CHUNK_TOKENS:  # 75 keeps the keys of the caches written before the option
-            fields["max_tokens"] = self.max_tokens
+            fields["max_tokens"], fields["long_format"] = self.max_tokens, LONG_FORMAT
         digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
         return self.cache_dir / digest[:2] / f"{digest}.safetensors"
 

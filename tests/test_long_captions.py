@@ -3,6 +3,8 @@ them, on the tiny model's real CLIP encoders, in training, the text cache and ev
 
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
 from pathlib import Path
 
@@ -174,6 +176,12 @@ def test_the_text_cache_holds_chunked_entries_under_their_own_key(tmp_path: Path
     short = TextCache(tmp_path, specs, "fp32", "fp32", max_tokens=75)
     assert cache.path("text_encoder", LONG) != short.path("text_encoder", LONG)
     assert short.path("text_encoder", LONG) == TextCache(tmp_path, specs, "fp32", "fp32").path("text_encoder", LONG)
+    # An entry an earlier version tokenized differently ("A" read as "A</w>") is a miss, never a stale hit.
+    spec = specs["text_encoder"]
+    earlier = {"text": LONG, "encoder": "text_encoder", "tokenizer": spec.tokenizer_id, "weights": spec.weights_id,
+               "dtype": "fp32", "compute": "fp32", "format": 1, "max_tokens": 225}
+    digest = hashlib.sha256(json.dumps(earlier, sort_keys=True).encode()).hexdigest()
+    assert cache.path("text_encoder", LONG) != tmp_path / digest[:2] / f"{digest}.safetensors"
 
 
 @pytest.mark.parametrize("backend", ["diffusers", "kdiffusion"])
