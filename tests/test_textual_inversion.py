@@ -98,6 +98,35 @@ def test_only_the_new_rows_train_and_the_files_load_in_comfyui_and_diffusers(tmp
     torch.testing.assert_close(ours, theirs)  # the pipeline that loaded the files reads the prompt as training did
 
 
+def sdxl_eos_config(pipe):
+    """The pipeline with SDXL's encoder configs' legacy `eos_token_id: 2` (pooled at the largest id)."""
+    for name in ("text_encoder", "text_encoder_2"):
+        encoder = getattr(pipe, name)
+        encoder.config.eos_token_id = getattr(encoder, "text_model", encoder).eos_token_id = 2
+    return pipe
+
+
+def test_diffusers_with_the_documented_line_reads_the_pooled_output_as_training(tmp_path: Path) -> None:
+    pipe = sdxl_eos_config(fresh_pipe())
+    tokens = add_tokens(pipe, TextualInversionConfig(tokens=[{"token": "<qz>", "vectors": 2, "init_word": "circle"}]))
+    with torch.no_grad():
+        for table in tokens.tables.values():
+            table.new.add_(torch.randn(table.new.shape, generator=torch.Generator().manual_seed(0)))
+    save_embedding_files(tokens, tmp_path)
+    other = sdxl_eos_config(fresh_pipe())
+    for name, tokenizer in (("text_encoder", "tokenizer"), ("text_encoder_2", "tokenizer_2")):
+        other.load_textual_inversion(str(tmp_path / "qz.diffusers" / f"{name}.safetensors"),
+                                     text_encoder=getattr(other, name), tokenizer=getattr(other, tokenizer))
+    for encoder in (other.text_encoder, other.text_encoder_2):  # docs/training.md, the diffusers row
+        getattr(encoder, "text_model", encoder).eos_token_id = other.tokenizer.eos_token_id
+    with torch.no_grad():
+        ours = encode_prompts(["a <qz> circle"], [pipe.tokenizer, pipe.tokenizer_2],
+                              [pipe.text_encoder, pipe.text_encoder_2], "cpu")
+        theirs = other.encode_prompt("a <qz> circle", device="cpu", do_classifier_free_guidance=False)
+    torch.testing.assert_close(ours[0], theirs[0])
+    torch.testing.assert_close(ours[1], theirs[2])  # bigG's pooled: at <EOS>, not at the new token
+
+
 def test_a_known_word_or_an_empty_initializer_is_one_line(pipe) -> None:
     with pytest.raises(ConfigError, match=r"textual_inversion.tokens\[0\].token: 'red' is already in the vocabulary"):
         add_tokens(pipe, TextualInversionConfig(tokens=[{"token": "red", "init_word": "dog"}]))
