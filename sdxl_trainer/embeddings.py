@@ -80,7 +80,14 @@ class TokenSet:
 
 def check_tokens(tokenizer, settings: TextualInversionConfig) -> None:
     """Raise a ConfigError for a token already in the vocabulary or an initializer word that
-    tokenizes to nothing (both need the tokenizer: the pre-flight checks them where it is local)."""
+    tokenizes to nothing (both need the tokenizer: the pre-flight checks them where it is local), and
+    two tokens of one file name (`<sks>`, `[sks]`: one file would replace the other's)."""
+    stems: dict[str, str] = {}
+    for index, new in enumerate(settings.tokens):
+        other = stems.setdefault(file_stem(new.token), new.token)
+        if other != new.token:
+            raise ConfigError(f"textual_inversion.tokens[{index}].token: {new.token!r} and {other!r} would both be "
+                              f"saved as {file_stem(new.token)}.safetensors; make their letters or digits differ")
     for index, new in enumerate(settings.tokens):
         key = f"textual_inversion.tokens[{index}]"
         # One id: a word of the vocabulary (or a token added before), which the caption already means.

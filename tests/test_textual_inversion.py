@@ -134,6 +134,9 @@ def test_a_known_word_or_an_empty_initializer_is_one_line(pipe) -> None:
         add_tokens(pipe, TextualInversionConfig(tokens=[{"token": "<qz>", "init_word": " "}]))
     with pytest.raises(ValueError, match="one word"):
         TextualInversionConfig(tokens=[{"token": "<q z>", "init_word": "dog"}])
+    with pytest.raises(ConfigError, match=r"tokens\[1\].token: '\[qz\]' and '<qz>' would both be saved as qz"):
+        add_tokens(pipe, TextualInversionConfig(tokens=[{"token": "<qz>", "init_word": "dog"},
+                                                        {"token": "[qz]", "init_word": "dog"}]))
 
 
 def test_captions_with_a_new_token_run_live_and_the_rest_come_from_the_cache(tmp_path: Path, pipe) -> None:
