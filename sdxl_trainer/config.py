@@ -119,7 +119,8 @@ class AdapterConfig(Section):
         "attn-mlp",
         description="UNet modules that get adapters: `attn` = to_q/to_k/to_v/to_out.0; `attn-mlp` = "
         "every Linear in the transformer blocks incl. proj_in/proj_out; `all` adds the ResNet and "
-        "sampler convolutions; or a list of module-name patterns (regular expressions).",
+        "sampler convolutions; or a list of module-name patterns (regular expressions, each matching a whole "
+        "name: `.*to_q`, not `to_q`).",
     )
     conv_rank: PositiveInt | None = Field(None, description="Rank for convolution targets (default: rank).")
     conv_alpha: float | None = Field(None, gt=0.0, description="Alpha for convolution targets (default: alpha).")

@@ -124,6 +124,7 @@ def plan_run(config: Config) -> RunPlan:
     from .init_adapter import preflight_lines
     from .long_prompts import length_report, local_tokenizer
     from .text_cache import text_cache_status
+    from .training_setup import check_targets
 
     prompts = eval_prompts(config)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # set by accelerate launch / torchrun
@@ -137,6 +138,7 @@ def plan_run(config: Config) -> RunPlan:
         raise no_images("data.validation_dir", held_out,
                         [(path, why) for path, why in data_plan.scan.skipped if Path(held_out) in path.parents])
     check_batches(config, data_plan)
+    check_targets(config)
     total_steps = count_steps(config, data_plan.batches_per_epoch)
     preflight = describe_plan(config, data_plan, total_steps)
     lokr_warning = lokr_load_warning(config)

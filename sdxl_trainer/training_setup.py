@@ -3,12 +3,13 @@ learning rates (LoRA+: the B matrices in a group of their own at a multiple of t
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .adapters import attach_adapter, text_encoder_target_modules, unet_target_modules
-from .config import Config
+from .config import Config, ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -90,7 +91,26 @@ def adapter_targets(pipe: StableDiffusionXLPipeline, config: Config) -> dict[str
         found = (unet_target_modules(module, config.adapter.targets) if name == "unet"
                  else text_encoder_target_modules(module, config.adapter.targets))
         targets[name] = [target for target in found if not target.startswith(unused_prefixes(name, module))]
+        if not targets[name]:  # only a list of patterns can select nothing (a preset always selects)
+            raise ConfigError(f"adapter.targets: {json.dumps(config.adapter.targets)} selects no module of the {name}: "
+                              "each pattern must match a Linear or Conv2d module's whole name (re.fullmatch), "
+                              'e.g. ".*to_q" rather than "to_q"')
     return targets
+
+
+def check_targets(config: Config) -> None:
+    """The pre-flight's check that a list of patterns in `adapter.targets` selects modules (a
+    ConfigError naming the key otherwise), on the model built on the meta device: before any weight
+    is loaded, and in a dry run."""
+    from .memory.architecture import PlanSkipped, meta_pipeline, read_architecture
+
+    if config.adapter.type == "none" or not isinstance(config.adapter.targets, list):
+        return
+    try:
+        pipe = meta_pipeline(read_architecture(config.model))
+    except PlanSkipped:
+        return  # checked by prepare_trainable once the model is loaded
+    adapter_targets(pipe, config)
 
 
 def prepare_trainable(pipe: StableDiffusionXLPipeline, config: Config, patterns: Patterns | None = None) -> Trainable:

@@ -464,3 +464,14 @@ def test_attention_backend_is_chosen_and_a_missing_package_is_a_config_error(tmp
     result = train_here("--config", str(write_config(tmp_path / "c.json", config)))
     assert result.returncode == 0, result.stderr[-2000:]
     assert "attention: sdpa" in result.stdout
+
+
+def test_target_patterns_that_select_no_unet_module_are_a_config_error(tmp_path: Path, tiny_sdxl_dir: Path) -> None:
+    """A list in `adapter.targets` must match whole module names: `to_q` selects nothing, which the
+    dry run's pre-flight says in one line (exit code 2); `.*to_q` selects the queries."""
+    for targets, code in ((["to_q"], 2), ([".*to_q"], 0)):
+        config = tiny_config(tmp_path, adapter={"type": "lora", "rank": 4, "alpha": 4, "targets": targets},
+                             training={"memory_check": "off"})
+        result = train_here("--config", str(write_config(tmp_path / "c.json", config)), "--dry-run")
+        assert result.returncode == code, result.stderr[-2000:]
+        assert ('adapter.targets: ["to_q"] selects no module of the unet' in result.stderr) == (code == 2)
