@@ -118,6 +118,7 @@ def plan_run(config: Config) -> RunPlan:
     """The data plan, the step count, the eval prompts and the resume point, with the report."""
     from .buckets import unmatched_batch_sizes
     from .checkpointing import choose_resume, soft_settings
+    from .ema import ema_warning
     from .embeddings import inversion_report
     from .eval.evaluator import eval_prompts
     from .formats.lycoris_compat import lokr_load_warning
@@ -141,9 +142,9 @@ def plan_run(config: Config) -> RunPlan:
     check_targets(config)
     total_steps = count_steps(config, data_plan.batches_per_epoch)
     preflight = describe_plan(config, data_plan, total_steps)
-    lokr_warning = lokr_load_warning(config)
-    if lokr_warning:
-        preflight += f"\n  warning: {lokr_warning}"
+    for warning in (lokr_load_warning(config), ema_warning(config, total_steps)):
+        if warning:
+            preflight += f"\n  warning: {warning}"
     unmatched = unmatched_batch_sizes(config.data, data_plan.batch_sizes)
     if unmatched:
         preflight += (f"\n  warning: data.bucket.per_resolution_batch_sizes: {', '.join(unmatched)} "
