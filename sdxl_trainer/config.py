@@ -749,7 +749,7 @@ class EvalConfig(Section):
     prompts_path: str | None = Field(None, description="JSON list of `{prompt, negative_prompt, seed, height, width}`.")
     height: PositiveInt = Field(1024, description="Default height.")
     width: PositiveInt = Field(1024, description="Default width.")
-    use_ema: bool = Field(False, description="Render with EMA weights swapped in.")
+    use_ema: bool = Field(False, description="Render with EMA weights swapped in (needs `model.use_ema`).")
     batch_size: PositiveInt = Field(
         1, description="Prompts sampled together, in one UNet call per step (consecutive prompts of one size; the "
         "`kdiffusion` backend, the `diffusers` backend renders one at a time). 1: each image depends on its seed "
@@ -862,6 +862,9 @@ class Config(Section):
                     f"must be set because model.train_text_encoder_{index} is true "
                     f"(or set model.train_text_encoder_{index} to false)",
                 )
+        if self.eval.use_ema and not model.use_ema:
+            raise _KeyError("eval.use_ema", "renders with the EMA weights, but model.use_ema is false: no EMA is kept "
+                            "(set model.use_ema to true, or eval.use_ema to false)")
         self._check_textual_inversion()
         self._check_prodigy_rates()
         preservation = training.output_preservation

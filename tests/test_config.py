@@ -137,6 +137,13 @@ def test_text_encoder_trained_without_its_rate_is_refused(tmp_path: Path) -> Non
         validate_config(config)
 
 
+
+def test_eval_with_ema_weights_needs_an_ema(tmp_path: Path) -> None:
+    """eval.use_ema without model.use_ema rendered the trained weights, silently."""
+    with pytest.raises(ConfigError, match=r"eval.use_ema renders with the EMA weights, but model.use_ema is false"):
+        validate_config(tiny_config(tmp_path, eval={"use_ema": True}))
+    validate_config(tiny_config(tmp_path, eval={"use_ema": True}, model={"use_ema": True}))
+
 def test_set_overrides_parse_json_and_create_nested_keys(tmp_path: Path) -> None:
     path = write_config(tmp_path / "c.json", tiny_config(tmp_path))
     config = load_config(path, ["training.num_steps=20", "data.bucket.enabled=false",
