@@ -119,8 +119,10 @@ class AdapterConfig(Section):
         "attn-mlp",
         description="UNet modules that get adapters: `attn` = to_q/to_k/to_v/to_out.0; `attn-mlp` = "
         "every Linear in the transformer blocks incl. proj_in/proj_out; `all` adds the ResNet and "
-        "sampler convolutions; or a list of module-name patterns (regular expressions, each matching a whole "
-        "name: `.*to_q`, not `to_q`).",
+        "sampler convolutions; or a list of UNet module-name patterns (regular expressions, each matching a "
+        "whole name: `.*to_q`, not `to_q`). Trained text encoders get their attention projections "
+        "(q/k/v/out_proj), plus their MLP (fc1/fc2) unless `attn`; a list of patterns does not apply to them "
+        "(they get both).",
     )
     conv_rank: PositiveInt | None = Field(None, description="Rank for convolution targets (default: rank).")
     conv_alpha: float | None = Field(None, gt=0.0, description="Alpha for convolution targets (default: alpha).")
