@@ -243,10 +243,9 @@ def describe_plan(config: Config, data_plan: DatasetPlan, total_steps: int) -> s
     mode = "full fine-tune" if config.adapter.type == "none" else (
         f"{config.adapter.type.upper()} rank {config.adapter.rank} alpha {config.adapter.alpha:g}"
     )
-    trained = ["unet"] + [
-        name for name, on in (("text_encoder", config.model.train_text_encoder_1),
-                              ("text_encoder_2", config.model.train_text_encoder_2)) if on
-    ]
+    trained = list(config.trained_components())
+    if not trained:  # textual inversion alone: no adapter, only the new tokens' vectors
+        mode, trained = "textual inversion", ["the new tokens' embeddings"]
     steps_per_epoch = data_plan.batches_per_epoch / config.training.grad_accum_steps
     # What batches hold: a bucket with fewer images than its batch size makes smaller batches.
     sizes = sorted({len(batch) // data_plan.world_size for batch in data_plan.epoch_batches})

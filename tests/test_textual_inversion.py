@@ -167,6 +167,7 @@ def test_the_preflight_checks_the_tokens_against_the_tokenizer_and_the_captions(
     preflight = plan_run(Config.model_validate(config)).preflight
     assert "warning: textual_inversion.tokens[0].token '<qz>' is in none of the 18 training samples' captions" \
         in preflight
+    assert "run test_run: textual inversion of the new tokens' embeddings on " in preflight  # no UNet, no adapter
     config["data"]["caption_prefix"] = "<qz>,"
     assert "<qz>: in 18 of 18 training samples' captions" in plan_run(Config.model_validate(config)).preflight
     config["textual_inversion"]["tokens"][0]["token"] = "red"
