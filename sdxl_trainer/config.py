@@ -876,6 +876,11 @@ class Config(Section):
             why = 'adapter.type is "none"' if self.adapter.type == "none" else "textual inversion trains alone"
             raise _KeyError("training.output_preservation", "compares the adapted model with the base model (the "
                             f"same model with its adapter off), so it needs an adapter that trains; here {why}")
+        export = self.export
+        if trains_adapter and not export.adapter_formats and not (export.save_single_file and export.merge_adapter):
+            raise _KeyError("export.adapter_formats", "is empty and no merged single file is written "
+                            "(export.save_single_file, export.merge_adapter), so the trained adapter would be saved "
+                            'nowhere but in checkpoints; list "diffusers" and/or "kohya"')
         return self
 
     @model_validator(mode="after")

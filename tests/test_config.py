@@ -144,6 +144,15 @@ def test_eval_with_ema_weights_needs_an_ema(tmp_path: Path) -> None:
         validate_config(tiny_config(tmp_path, eval={"use_ema": True}))
     validate_config(tiny_config(tmp_path, eval={"use_ema": True}, model={"use_ema": True}))
 
+def test_an_adapter_run_must_export_the_adapter_somewhere(tmp_path: Path) -> None:
+    """No adapter format and no merged single file: the run completed and wrote no adapter file."""
+    with pytest.raises(ConfigError, match=r"export.adapter_formats is empty and no merged single file is written"):
+        validate_config(tiny_config(tmp_path, export={"save_single_file": False, "adapter_formats": []}))
+    validate_config(tiny_config(tmp_path, export={"save_single_file": True, "adapter_formats": []}))
+    validate_config(tiny_config(tmp_path, adapter={"type": "none"}, export={"save_single_file": False,
+                                                                            "adapter_formats": []}))
+
+
 def test_set_overrides_parse_json_and_create_nested_keys(tmp_path: Path) -> None:
     path = write_config(tmp_path / "c.json", tiny_config(tmp_path))
     config = load_config(path, ["training.num_steps=20", "data.bucket.enabled=false",
