@@ -760,7 +760,7 @@ def final_writes(run: Run, pipe: StableDiffusionXLPipeline, snapshot: TrainerSna
     yield "trainer state"
     with writing():
         checkpointing.save_state(config.state_path, config, run.plan.soft, snapshot)
-    if run.evaluator:
+    if run.evaluator and config.eval.final.enabled:  # live eval alone makes an evaluator too
         yield "final eval"
         run.tally.invalid_final_images = run.evaluator.final(pipe, run.position.step, run.device)
     yield "run summary"  # a stop during the last write is honoured too, as the message promised

@@ -568,11 +568,16 @@ def test_ctrl_c_with_data_loader_workers_is_said_once(tmp_path: Path, tiny_sdxl_
 @pytest.mark.slow
 def test_a_stop_during_the_last_final_write_saves_a_checkpoint_as_it_says(
         tmp_path: Path, tiny_sdxl_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
-    """SIGTERM while the trainer state (the last final write without eval) is written: the message
-    says "then saving a checkpoint", so a checkpoint is saved and the exit is 130, not 0."""
+    """SIGTERM while the trainer state (the last final write without a final eval) is written: the
+    message says "then saving a checkpoint", so a checkpoint is saved and the exit is 130, not 0; the
+    write named next is the run summary (not a final eval that is off)."""
     import sdxl_trainer.checkpointing as checkpointing
 
-    path = write_config(tmp_path / "c.json", tiny_config(tmp_path, training={"num_steps": 2, "checkpoint_every": 100}))
+    # Live eval alone (never due here) makes an evaluator, but no final eval follows the trainer state.
+    live_only = {"prompts_path": str(ROOT / "tests" / "eval_prompts.three.json"),
+                 "live": {"enabled": True, "every_n_steps": 100}}
+    path = write_config(tmp_path / "c.json", tiny_config(tmp_path, training={"num_steps": 2, "checkpoint_every": 100},
+                                                         eval=live_only))
     out = tmp_path / "out" / "test_run"
     real_save_state = checkpointing.save_state
 
