@@ -10,8 +10,11 @@ into it, and the result is written once as a diffusers pipeline folder and loade
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -21,6 +24,8 @@ TINY_SDXL = "builtin:tiny-sdxl"
 TINY_SDXL_VERSION = 2
 # The sha256 of the shipped weights (tools/pretrain_tiny_sdxl.py prints it when it writes them).
 TINY_SDXL_SHA256 = "5780df27ffe2f4c5fb0655b0970342ccbe0866295620e289941490d8cf0c3d5e"
+# Written into the built folder: the sha256 of every file the build wrote, checked on each use.
+MANIFEST = "sha256.json"
 
 # Words the tiny tokenizer knows as whole tokens; anything else falls back to single characters.
 _TOKENIZER_WORDS = (
@@ -50,11 +55,51 @@ def tiny_sdxl_folder(cache_dir: Path | None = None) -> Path:
 
 
 def tiny_sdxl_path(cache_dir: Path | None = None) -> Path:
-    """Return the folder of the tiny SDXL pipeline, building it on first use."""
+    """Return the folder of the tiny SDXL pipeline, building it on first use and rebuilding it
+    when its files are not the ones the build wrote (a damaged cache would load other weights,
+    or fail deep in diffusers)."""
     folder = tiny_sdxl_folder(cache_dir)
-    if not (folder / "model_index.json").is_file():
-        _build_atomically(folder)
+    if folder.exists():
+        damage = _damage(folder)
+        if damage is None:
+            return folder
+        print(f"warning: rebuilding the built-in tiny SDXL's cache folder {folder}: {damage}",
+              file=sys.stderr, flush=True)
+        _discard(folder)
+    _build_atomically(folder)
     return folder
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _damage(folder: Path) -> str | None:
+    """What is wrong with a built folder against its manifest, or None when every file is intact."""
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return f"no readable {MANIFEST} (damaged, or built by an older version)"
+    if not isinstance(manifest, dict) or "model_index.json" not in manifest:
+        return f"{MANIFEST} does not list the folder's files"
+    for name, digest in manifest.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if _sha256(path) != digest:
+            return f"{name} is damaged (not the file that was built)"
+    return None
+
+
+def _discard(folder: Path) -> None:
+    """Move a damaged folder out of the way (atomically, so no run loads half of it), then delete it."""
+    aside = Path(tempfile.mkdtemp(prefix=folder.name + ".damaged-", dir=folder.parent))
+    try:
+        folder.rename(aside / folder.name)
+    except FileNotFoundError:
+        pass  # another process moved it first
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def _build_atomically(folder: Path) -> None:
@@ -69,6 +114,9 @@ def _build_atomically(folder: Path) -> None:
         with torch.random.fork_rng(devices=[]):
             pipe = build_pretrained_tiny_sdxl()
         pipe.save_pretrained(tmp, safe_serialization=True)
+        files = sorted(path for path in tmp.rglob("*") if path.is_file())
+        manifest = {path.relative_to(tmp).as_posix(): _sha256(path) for path in files}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
         try:
             tmp.rename(folder)
         except OSError:
@@ -130,10 +178,8 @@ def build_tiny_tokenizers():
 
 def build_pretrained_tiny_sdxl():
     """The tiny SDXL architecture with the shipped pretrained weights, after checking their hash."""
-    import hashlib
-
     path = shipped_weights_path()
-    digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "missing"
+    digest = _sha256(path) if path.is_file() else "missing"
     if digest != TINY_SDXL_SHA256:
         raise RuntimeError(f"{path}: sha256 {digest}, expected {TINY_SDXL_SHA256}; the shipped weights of the "
                            "built-in tiny SDXL are damaged (git checkout the file, or rebuild them with "

@@ -94,3 +94,18 @@ def test_vae_override_from_a_vae_folder(tiny_sdxl_dir: Path, tmp_path: Path) -> 
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match=r"no config\.json"):
         load_pipeline(ModelConfig(id="builtin:tiny-sdxl", vae=str(tmp_path / "empty")))
+
+
+def test_a_damaged_tiny_model_cache_is_rebuilt(tmp_path: Path, tiny_sdxl_dir: Path, capfd) -> None:
+    """A cache file cut short failed deep in diffusers (OSError traceback), and one with changed
+    bytes loaded other weights silently: the folder is checked against its build's sha256 list."""
+    folder = tiny_sdxl_path(tmp_path / "cache")
+    unet = folder / "unet" / "diffusion_pytorch_model.safetensors"
+    intact = unet.read_bytes()
+    for damaged in (intact[:len(intact) // 2], intact[:-64] + bytes(64)):
+        unet.write_bytes(damaged)
+        assert tiny_sdxl_path(tmp_path / "cache") == folder
+        assert unet.read_bytes() == intact
+        assert "rebuilding the built-in tiny SDXL's cache folder" in capfd.readouterr().err
+    assert tiny_sdxl_path(tmp_path / "cache") == folder and capfd.readouterr().err == ""  # intact: no rebuild
+    assert not [path for path in folder.parent.iterdir() if path != folder]  # nothing left beside it
