@@ -10,7 +10,8 @@ at 192×128 and 128×192, so the quickstart fills three aspect buckets.
 It also writes data/reg, eighteen regularization images for prior preservation (one shape the
 model knows on each, from seeds the pretraining data and the eval prompts never use), which
 configs/quickstart_prior_preservation.json trains beside the crosses; and the eval prompts:
-data/eval_prompts.quickstart.json (group "concept": crosses the training images do not show;
+data/eval_prompts.quickstart.json (group "concept": new scenes of crosses, though a caption the
+grammar can only vary by colour and background, so 7 of the 16 are also training captions;
 group "prior": scenes of the shapes the model knew, which training should not forget) and
 data/eval_prompts.world.json (held-out scenes of the pretraining world, for the pretrained
 model's own prompt accuracy). The files are committed; this script documents how they were made
