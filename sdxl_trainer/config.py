@@ -760,7 +760,8 @@ class EvalConfig(Section):
     judge: Literal["none", "shapes"] = Field(
         "none", description="`shapes`: read every eval image whose prompt is in the world-of-shapes grammar (`a red "
         "circle, blue background`) with the shapes judge and report the fraction that shows what its prompt says, "
-        "per prompt `group` (printed, in TensorBoard and run_summary.json); for `builtin:tiny-sdxl`.")
+        "per prompt `group` (printed, in TensorBoard and run_summary.json); for `builtin:tiny-sdxl`. A prompts file "
+        "with no prompt in the grammar is a config error.")
     live: LiveEvalConfig = Field(default_factory=LiveEvalConfig, description="Evaluation during training.")
     final: FinalEvalConfig = Field(default_factory=FinalEvalConfig, description="Evaluation after training.")
 

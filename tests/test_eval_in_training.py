@@ -86,6 +86,18 @@ def test_eval_without_prompts_file_is_a_config_error(tmp_path: Path) -> None:
     assert result.returncode == 2 and "karras-ish" in result.stderr and "karras" in result.stderr
 
 
+def test_judging_a_prompts_file_without_a_prompt_in_the_grammar_is_a_config_error(tmp_path: Path) -> None:
+    """eval.judge "shapes" on prompts it cannot read printed and logged nothing at all."""
+    config = eval_config(tmp_path, live=False)
+    config["eval"]["judge"] = "shapes"
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps([{"prompt": "a blue cross, white gradient background, <shapes>"}]))
+    config["eval"]["prompts_path"] = str(prompts)
+    result = train_here("--config", str(write_config(tmp_path / "c.json", config)))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert 'eval.judge = "shapes": none of the 1 prompts' in result.stderr and "Traceback" not in result.stderr
+
+
 def test_an_eval_sampler_that_cannot_follow_the_trained_zero_snr_schedule_stops_the_run_before_training(
         tmp_path: Path) -> None:
     config = eval_config(tmp_path, live=True)

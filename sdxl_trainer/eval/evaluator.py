@@ -37,7 +37,21 @@ def eval_prompts(config: Config) -> list[EvalPrompt]:
         raise ConfigError("eval.prompts_path is required when eval.live or eval.final is enabled")
     check_eval_sampler(evaluation)
     prompts = load_prompts(evaluation.prompts_path, evaluation.width, evaluation.height)
+    if evaluation.judge == "shapes":
+        _require_judged_prompts(prompts, evaluation.prompts_path)
     return [replace(prompt, max_tokens=config.data.max_token_length) for prompt in prompts]
+
+
+def _require_judged_prompts(prompts: list[EvalPrompt], path: str) -> None:
+    """eval.judge "shapes" counts only prompts in the world's grammar: with none, every eval would
+    print and log no accuracy at all, without a word."""
+    from ..config import ConfigError
+    from ..world.scenes import parse_caption
+
+    if not any(parse_caption(prompt.prompt) for prompt in prompts):
+        raise ConfigError(f'eval.judge = "shapes": none of the {len(prompts)} prompts of eval.prompts_path = '
+                          f"{path!r} is in the world-of-shapes grammar (like \"a red circle, blue background\", "
+                          "a trigger word before it allowed), so nothing would be judged")
 
 
 def live_eval_due(config: Config, step: int) -> bool:
