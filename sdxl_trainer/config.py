@@ -759,7 +759,8 @@ class EvalConfig(Section):
         "differ in its last bits with the prompts beside it.")
     judge: Literal["none", "shapes"] = Field(
         "none", description="`shapes`: read every eval image whose prompt is in the world-of-shapes grammar (`a red "
-        "circle, blue background`) with the shapes judge and report the fraction that shows what its prompt says, "
+        "circle, blue background`) with the shapes judge and report the fraction that shows what its prompt says "
+        "(the shapes' kinds and colours and the background colour; not the gradient nor the shapes' order), "
         "per prompt `group` (printed, in TensorBoard and run_summary.json); for `builtin:tiny-sdxl`. A prompts file "
         "with no prompt in the grammar is a config error.")
     live: LiveEvalConfig = Field(default_factory=LiveEvalConfig, description="Evaluation during training.")

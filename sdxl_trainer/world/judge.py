@@ -11,7 +11,9 @@ Deterministic image analysis, no learned weights, so a judge's verdict never dri
    convex, the others are convex).
 
 `prompt_matches` is what "prompt accuracy" counts: the judged shapes (kind and colour, as a
-multiset) and background colour equal the scene's.
+multiset) and background colour equal the scene's. Not judged: whether the background is a
+gradient, and the shapes' order, positions and sizes ("a red circle and a blue square, black
+gradient background" is right drawn as a blue square left of a red circle on plain black).
 """
 
 from __future__ import annotations
