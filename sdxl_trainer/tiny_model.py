@@ -20,8 +20,10 @@ from pathlib import Path
 
 BUILTIN_PREFIX = "builtin:"
 TINY_SDXL = "builtin:tiny-sdxl"
-# Bump when the architecture or the tokenizer below changes: the cache folder is keyed by it.
-TINY_SDXL_VERSION = 2
+# Bump when the architecture, the tokenizer or the folder's layout changes: the cache folder is
+# keyed by it. 3: the folder holds a manifest of its files' hashes (older folders are left unused,
+# not rebuilt in place, where two processes starting at once could race).
+TINY_SDXL_VERSION = 3
 # The sha256 of the shipped weights (tools/pretrain_tiny_sdxl.py prints it when it writes them).
 TINY_SDXL_SHA256 = "5780df27ffe2f4c5fb0655b0970342ccbe0866295620e289941490d8cf0c3d5e"
 # Written into the built folder: the sha256 of every file the build wrote, checked on each use.
