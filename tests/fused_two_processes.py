@@ -51,4 +51,8 @@ def two_process_worker(rank: int, port: int, folder: Path) -> None:
     except RuntimeError as exc:
         errors.append(str(exc))
     torch.save({"start": start, "after": after, "x": x, "errors": errors}, folder / f"rank{rank}.pt")
+    # Both processes finish their collectives before either tears its group down. Under load, a run
+    # once aborted rank 1 in gloo ("terminate called without an active exception"); rank 0, which
+    # hosts the store, leaving while rank 1 still used the group is the likely cause.
+    dist.barrier()
     dist.destroy_process_group()
