@@ -138,9 +138,7 @@ class BareLoop:
         from sdxl_trainer.config import validate_config
         from sdxl_trainer.data import ImageCaptionDataset, collate
         from sdxl_trainer.data_plan import plan_dataset
-        from sdxl_trainer.latent_cache import vae_fingerprint
-        from sdxl_trainer.planning import make_latent_cache
-        from sdxl_trainer.precision import dtype_name
+        from sdxl_trainer.planning import loaded_vae_cache
         from sdxl_trainer.tiny_model import tiny_sdxl_path
 
         config = validate_config(config_data)
@@ -162,7 +160,7 @@ class BareLoop:
         self.scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
         # The trainer's own data loader over its latent cache (built by the trainer's first run).
         plan = plan_dataset(config.data, 1)
-        cache = make_latent_cache(config, vae_fingerprint(pipe.vae.state_dict().values()), dtype_name(pipe.vae.dtype))
+        cache = loaded_vae_cache(config, pipe.vae)
         self.loader = torch.utils.data.DataLoader(
             ImageCaptionDataset(plan.samples, config.data, 42, cache),
             batch_sampler=plan.sampler(42), collate_fn=collate, num_workers=0)

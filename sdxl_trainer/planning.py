@@ -13,6 +13,8 @@ from .optimizers import PRODIGY_SETTINGS
 from .precision import cached_encoders
 
 if TYPE_CHECKING:
+    import torch
+
     from .checkpointing import Resume, ResumeChoice
     from .data_plan import DatasetPlan
     from .eval.eval_prompts import EvalPrompt
@@ -314,6 +316,14 @@ def make_latent_cache(config: Config, vae_id: str, vae_dtype: str) -> LatentCach
     cache = config.data.latent_cache
     dtype = cache.dtype if cache.dtype != "auto" else {"no": "fp32"}.get(config.precision, config.precision)
     return LatentCache(cache.cache_dir, vae_id, dtype, cache.latents, vae_dtype)
+
+
+def loaded_vae_cache(config: Config, vae: torch.nn.Module) -> LatentCache:
+    """The run's latent cache for a loaded VAE: its weights' fingerprint and its dtype."""
+    from .latent_cache import vae_fingerprint
+    from .precision import dtype_name
+
+    return make_latent_cache(config, vae_fingerprint(vae.state_dict().values()), dtype_name(vae.dtype))
 
 
 def cache_status(config: Config, data_plan: DatasetPlan) -> str:

@@ -72,7 +72,6 @@ from .export import ExportError
 from .finite import NonFiniteWeightsError
 from .fused_backward import FusedBackward
 from .init_adapter import InitAdapter, load_init_adapter, read_init_adapter, saved_patterns
-from .latent_cache import vae_fingerprint
 from .long_prompts import length_report, local_tokenizer
 from .lr_schedule import make_lr_scheduler, schedule_settings
 from .memory.watch import OVER_PLAN, PeakWatch
@@ -83,8 +82,8 @@ from .optimizers import apply_configured_settings, averaged_weights, is_schedule
 from .output_folder import OutputLock, remove_leftovers
 from .output_preservation import training_loss
 from .outputs import log_memory, log_step, open_tensorboard, save_final, write_summary
-from .planning import RunPlan, make_latent_cache, settle_resume
-from .precision import ENCODERS, audit, cast_trained_parameters, dtype_name, place_pipeline, plan_precision
+from .planning import RunPlan, loaded_vae_cache, settle_resume
+from .precision import ENCODERS, audit, cast_trained_parameters, place_pipeline, plan_precision
 from .stop_request import EXIT_INTERRUPTED, StopRequest
 from .text_cache import prepare_text_cache
 from .trackers import open_run_log
@@ -383,7 +382,7 @@ def setup_models(config: Config, plan: RunPlan, precision: PrecisionPlan, accele
         check_eval_sampler(config.eval, pipe.scheduler.config)
     cache = None
     if config.data.latent_cache.enabled and plan.data is not None:
-        cache = make_latent_cache(config, vae_fingerprint(pipe.vae.state_dict().values()), dtype_name(pipe.vae.dtype))
+        cache = loaded_vae_cache(config, pipe.vae)
         with accelerator.local_main_process_first():
             hits, built = build_latent_cache(plan.data, config.data, cache, pipe.vae, device)
         accelerator.print(f"latent cache: {hits} hits, {built} encoded now")

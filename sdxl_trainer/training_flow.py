@@ -135,12 +135,10 @@ def latent_cache(models: FlowModels, plan: DatasetPlan, count: int) -> LatentCac
     """Training's latent cache for this VAE, holding the views of the plan's first `count` samples
     (those missing are encoded and stored as training stores them)."""
     from .data import build_latent_cache
-    from .latent_cache import vae_fingerprint
-    from .planning import make_latent_cache
-    from .precision import dtype_name
+    from .planning import loaded_vae_cache
 
     vae = models.pipe.vae
-    cache = make_latent_cache(models.config, vae_fingerprint(vae.state_dict().values()), dtype_name(vae.dtype))
+    cache = loaded_vae_cache(models.config, vae)
     build_latent_cache(replace(plan, samples=plan.samples[:count], validation=[]), models.config.data, cache, vae,
                        models.device)
     return cache
